@@ -1,0 +1,32 @@
+"""lightning-npu: hybrid-parallel training for PyTorch Lightning on Ascend NPU, CUDA and CPU.
+
+``import lightning_npu`` registers the ``"npu"`` accelerator and the ``"npu_hybrid"``
+strategy with Lightning's registries; re-importing is harmless.
+"""
+
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_npu.accelerator import NPUAccelerator
+from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
+from lightning_npu.precision import HybridPrecision
+from lightning_npu.strategy import NPUHybridStrategy
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    NPUAccelerator.register_accelerators(AcceleratorRegistry)
+    NPUHybridStrategy.register_strategies(StrategyRegistry)
+
+
+register()
+
+__all__ = [
+    "HybridPrecision",
+    "NPUAccelerator",
+    "NPUHybridStrategy",
+    "NotImplementedYetError",
+    "ParallelConfigError",
+    "register",
+]

@@ -1,0 +1,172 @@
+"""The one place that knows about device types.
+
+Every other module asks this one for the device type, its count, its collective backend,
+memory numbers, synchronisation and RNG state, so that the same strategy code serves Ascend
+NPUs, CUDA GPUs and CPUs. ``torch_npu`` is imported lazily: importing it registers the
+``npu`` device with PyTorch, and it must not be a hard dependency of a CPU install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NPU = "npu"
+CPU = "cpu"
+_TORCH_NPU_HINT = (
+    "Ascend NPU support needs the `torch_npu` package that matches your torch version and CANN toolkit: "
+    "`pip install torch-npu==<your torch version>` (see https://gitee.com/ascend/pytorch), then source "
+    "the CANN `set_env.sh`. To run on another device pass `accelerator='cpu'` or `accelerator='cuda'`."
+)
+
+
+class NPUUnavailableError(RuntimeError):
+    """Raised when an NPU is requested but `torch_npu` or a device is missing."""
+
+
+def import_torch_npu() -> Any:
+    """Import `torch_npu` on demand (it registers the `npu` device type with PyTorch)."""
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError as err:
+        raise NPUUnavailableError(f"`torch_npu` is not installed. {_TORCH_NPU_HINT}") from err
+
+
+def torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def npu_available() -> bool:
+    if not torch_npu_installed():
+        return False
+    try:
+        import_torch_npu()
+        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
+def npu_device_count() -> int:
+    return int(torch.npu.device_count()) if npu_available() else 0  # type: ignore[attr-defined]
+
+
+def accelerator_type() -> str:
+    """The device type of the machine's accelerator, or "cpu" when there is none."""
+    if torch_npu_installed():
+        import_torch_npu()
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else CPU
+
+
+def device_type_of(device: torch.device | str) -> str:
+    return torch.device(device).type
+
+
+def device_count(device_type: str) -> int:
+    if device_type == CPU:
+        return 1
+    if device_type == NPU:
+        import_torch_npu()
+    return int(torch.get_device_module(device_type).device_count())
+
+
+def is_available(device_type: str) -> bool:
+    if device_type == CPU:
+        return True
+    if device_type == NPU:
+        return npu_available()
+    try:
+        return bool(torch.get_device_module(device_type).is_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def comm_backend(device_type: str) -> str:
+    """Collective backend for a device type: npu->hccl, cuda->nccl, cpu->gloo."""
+    if device_type == NPU:
+        import_torch_npu()  # torch_npu registers "hccl" in default_device_backend_map
+        return dist.Backend.default_device_backend_map.get(NPU, "hccl")
+    try:
+        return dist.Backend.default_device_backend_map[device_type]
+    except KeyError:
+        raise ValueError(
+            f"No collective backend is known for device type {device_type!r}; "
+            f"pass `process_group_backend=...` to NPUHybridStrategy explicitly."
+        ) from None
+
+
+def set_device(device: torch.device) -> None:
+    if device.type != CPU:
+        torch.get_device_module(device.type).set_device(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    device = torch.device(device)
+    if device.type != CPU:
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def empty_cache(device_type: str) -> None:
+    if device_type != CPU:
+        torch.get_device_module(device_type).empty_cache()
+
+
+def memory_stats(device: torch.device | str) -> dict[str, float]:
+    """Allocator numbers for an accelerator, or this process's RSS on CPU (bytes)."""
+    device = torch.device(device)
+    if device.type == CPU:
+        return {"rss_bytes": float(current_rss_bytes()), "peak_rss_bytes": float(peak_rss_bytes())}
+    mod = torch.get_device_module(device.type)
+    stats = {
+        "allocated_bytes": float(mod.memory_allocated(device)),
+        "reserved_bytes": float(mod.memory_reserved(device)),
+        "max_allocated_bytes": float(mod.max_memory_allocated(device)),
+    }
+    if hasattr(mod, "mem_get_info"):
+        free, total = mod.mem_get_info(device)
+        stats.update(free_bytes=float(free), total_bytes=float(total))
+    return stats
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def manual_seed_all(seed: int, device_type: str) -> None:
+    torch.manual_seed(seed)
+    if device_type != CPU:
+        torch.get_device_module(device_type).manual_seed_all(seed)
+
+
+def rng_state(device_type: str) -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if device_type != CPU:
+        state[device_type] = torch.get_device_module(device_type).get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    for device_type, value in state.items():
+        if device_type == CPU:
+            torch.set_rng_state(value)
+        else:
+            torch.get_device_module(device_type).set_rng_state(value)
+
+
+def autocast_device_type(device: torch.device | str) -> str:
+    """Autocast takes the plain device type string (never hard-code it at call sites)."""
+    return torch.device(device).type

@@ -1,0 +1,170 @@
+"""Validation of the strategy's parallel layout, before any process-group work.
+
+A bad layout found after `init_process_group` costs the user a cluster allocation and often
+a hang; found here it costs a traceback that names the argument, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+ZERO_STAGES = (0, 1, 2, 3)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
+TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "sequence", "replicate")
+HIERARCHICAL = ("auto", True, False)
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout argument is invalid; the message names the argument and the fix."""
+
+
+class NotImplementedYetError(NotImplementedError):
+    """A contract argument whose feature has not landed yet (never silently ignored)."""
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParallelConfigError(f"`{name}={value!r}` must be a positive integer (e.g. `{name}=2`).")
+    return value
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: Union[int, str] = "auto"
+    zero_stage: int = 1
+    micro_batches: Optional[int] = None
+    pipeline_schedule: str = "1f1b"
+    tp_plan: Any = "auto"
+    sequence_parallel: bool = False
+    activation_checkpointing: Union[None, int, str] = None
+    fuse_ops: bool = False
+    gradient_compression: Optional[str] = None
+    bucket_size_mb: float = 25.0
+    hierarchical_allreduce: Union[str, bool] = "auto"
+    process_group_backend: Optional[str] = None
+    timeout: Optional[timedelta] = None
+    # filled in by `resolve(world_size)`
+    resolved_dp: Optional[int] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- checks that need no world size -------------------------------------------------
+    def validate(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.data_parallel_size != "auto":
+            _positive_int("data_parallel_size", self.data_parallel_size)
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ParallelConfigError(
+                f"`zero_stage={self.zero_stage!r}` is not a ZeRO stage; use 0 (replicate), 1 (shard optimizer "
+                "state), 2 (+ gradients) or 3 (+ parameters)."
+            )
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ParallelConfigError(
+                f"`pipeline_schedule={self.pipeline_schedule!r}` is unknown; choose one of {list(PIPELINE_SCHEDULES)}."
+            )
+        if self.micro_batches is not None:
+            _positive_int("micro_batches", self.micro_batches)
+            if self.pipeline_parallel_size > 1 and self.pipeline_schedule != "gpipe":
+                if self.micro_batches < self.pipeline_parallel_size:
+                    raise ParallelConfigError(
+                        f"`micro_batches={self.micro_batches}` is smaller than `pipeline_parallel_size="
+                        f"{self.pipeline_parallel_size}`; schedule {self.pipeline_schedule!r} needs at least one "
+                        f"micro-batch per stage: set `micro_batches>={self.pipeline_parallel_size}`."
+                    )
+        if not (self.tp_plan is None or self.tp_plan == "auto" or isinstance(self.tp_plan, dict)):
+            raise ParallelConfigError(
+                f"`tp_plan={self.tp_plan!r}` must be 'auto', None or a dict of module-name glob -> style "
+                f"({', '.join(TP_STYLES)}) or DTensor ParallelStyle."
+            )
+        if isinstance(self.tp_plan, dict):
+            for pattern, style in self.tp_plan.items():
+                if isinstance(style, str) and style not in TP_STYLES:
+                    raise ParallelConfigError(
+                        f"`tp_plan[{pattern!r}]={style!r}` is not a known style; use one of {list(TP_STYLES)} "
+                        "or a torch.distributed.tensor.parallel.ParallelStyle object."
+                    )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ParallelConfigError(f"`sequence_parallel={self.sequence_parallel!r}` must be True or False.")
+        ac = self.activation_checkpointing
+        if not (ac is None or ac == "selective" or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
+            raise ParallelConfigError(
+                f"`activation_checkpointing={ac!r}` must be None, 'selective' or a positive int "
+                "(checkpoint every N blocks)."
+            )
+        if self.gradient_compression not in GRADIENT_COMPRESSIONS:
+            raise ParallelConfigError(
+                f"`gradient_compression={self.gradient_compression!r}` is unknown; choose one of "
+                f"{list(GRADIENT_COMPRESSIONS)}."
+            )
+        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or (
+            self.bucket_size_mb <= 0
+        ):
+            raise ParallelConfigError(f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive number of MiB.")
+        if self.hierarchical_allreduce not in HIERARCHICAL:
+            raise ParallelConfigError(
+                f"`hierarchical_allreduce={self.hierarchical_allreduce!r}` must be 'auto', True or False."
+            )
+        if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
+            raise ParallelConfigError(
+                f"`process_group_backend={self.process_group_backend!r}` must be a backend name such as "
+                "'hccl', 'nccl' or 'gloo', or None to pick it from the device."
+            )
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise ParallelConfigError(
+                f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
+            )
+        self._refuse_unimplemented()
+
+    def _refuse_unimplemented(self) -> None:
+        """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
+        pending = {
+            "tensor_parallel_size": (self.tensor_parallel_size != 1, "tensor parallelism"),
+            "pipeline_parallel_size": (self.pipeline_parallel_size != 1, "pipeline parallelism"),
+            "zero_stage": (self.zero_stage in (2, 3), "ZeRO stages 2 and 3"),
+            "sequence_parallel": (self.sequence_parallel, "sequence parallelism"),
+            "activation_checkpointing": (self.activation_checkpointing is not None, "activation checkpointing"),
+            "fuse_ops": (bool(self.fuse_ops), "the fused-op rewrite pass"),
+            "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
+            "hierarchical_allreduce": (self.hierarchical_allreduce is True, "hierarchical all-reduce"),
+        }
+        for name, (asked, feature) in pending.items():
+            if asked:
+                raise NotImplementedYetError(
+                    f"`{name}={getattr(self, name)!r}`: {feature} is not implemented yet in lightning-npu; "
+                    f"leave `{name}` at its default for now."
+                )
+
+    # ---- checks that need the world size --------------------------------------------------
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if world_size % (tp * pp) != 0:
+            raise ParallelConfigError(
+                f"world size {world_size} is not divisible by `tensor_parallel_size={tp}` x "
+                f"`pipeline_parallel_size={pp}` = {tp * pp}; change the sizes or the number of devices."
+            )
+        dp = world_size // (tp * pp) if self.data_parallel_size == "auto" else int(self.data_parallel_size)
+        if tp * pp * dp != world_size:
+            raise ParallelConfigError(
+                f"`tensor_parallel_size={tp}` x `pipeline_parallel_size={pp}` x `data_parallel_size={dp}` = "
+                f"{tp * pp * dp}, but the world size is {world_size}; set `data_parallel_size="
+                f"{world_size // (tp * pp)}` or 'auto'."
+            )
+        self.resolved_dp = dp
+        return self
+
+    @property
+    def dp(self) -> int:
+        if self.resolved_dp is None:
+            raise RuntimeError("ParallelConfig.resolve(world_size) has not run yet.")
+        return self.resolved_dp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.pipeline_parallel_size, self.dp, self.tensor_parallel_size)
