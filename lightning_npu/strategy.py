@@ -81,6 +81,7 @@ class NPUHybridStrategy(DDPStrategy):
             static_graph=static_graph,
         )
         self._device_mesh: Optional[DeviceMesh] = None
+        self.fusion_report: Any = None
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -130,6 +131,10 @@ class NPUHybridStrategy(DDPStrategy):
 
     # ---- model and optimizers -----------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        if self.parallel_config.fuse_ops:
+            from lightning_npu.ops import rewrite_modules
+
+            self.fusion_report = rewrite_modules(model, device=self.root_device)
         return data_parallel.wrap_data_parallel(
             model,
             self.device_mesh,
