@@ -102,7 +102,9 @@ class NPUHybridStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         cfg = self.parallel_config.resolve(self.world_size)
-        self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
+        # fit -> validate -> test reuse one mesh: building it again would create new process groups.
+        if self._device_mesh is None or tuple(self._device_mesh.mesh.shape) != cfg.mesh_shape:
+            self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -165,10 +167,6 @@ class NPUHybridStrategy(DDPStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def teardown(self) -> None:
-        super().teardown()
-        self._device_mesh = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -140,6 +140,7 @@ class GPTModule(L.LightningModule):
         learning_rate: float = 1e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
         warmup_steps: int = 0,
     ) -> None:
         super().__init__()
@@ -188,7 +189,9 @@ class GPTModule(L.LightningModule):
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
+        optimizer = torch.optim.AdamW(
+            groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas), eps=self.hparams.eps
+        )
         if not self.hparams.warmup_steps:
             return optimizer
         warmup = self.hparams.warmup_steps

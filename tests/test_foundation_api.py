@@ -1,0 +1,82 @@
+"""Registration, device layer, accelerator errors and configuration validation (one process)."""
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_npu
+from lightning_npu import NPUAccelerator, NPUHybridStrategy, device
+from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
+
+
+def test_import_registers_strategy_and_accelerator_idempotently():
+    lightning_npu.register()  # a second registration must not raise
+    trainer = L.Trainer(strategy="npu_hybrid", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is NPUHybridStrategy
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    assert AcceleratorRegistry["npu"]["accelerator"] is NPUAccelerator
+
+
+def test_device_layer_on_cpu():
+    assert device.comm_backend("cpu") == "gloo"
+    assert device.comm_backend("cuda") == "nccl"
+    assert device.accelerator_type() == "cpu"
+    assert device.device_count("cpu") == 1
+    stats = device.memory_stats("cpu")
+    assert stats["rss_bytes"] > 0 and stats["peak_rss_bytes"] >= stats["rss_bytes"] * 0.5
+
+
+@pytest.mark.skipif(device.torch_npu_installed(), reason="torch_npu is installed here")
+def test_npu_accelerator_without_torch_npu_says_what_to_install():
+    with pytest.raises(device.NPUUnavailableError, match="pip install torch-npu"):
+        L.Trainer(accelerator="npu", devices=1, strategy="npu_hybrid")
+    with pytest.raises(device.NPUUnavailableError, match="torch_npu"):
+        device.comm_backend("npu")
+    assert not NPUAccelerator.is_available() and NPUAccelerator.auto_device_count() == 0
+
+
+def test_mixed_precision_autocasts_on_the_accelerator_device():
+    trainer = L.Trainer(strategy="npu_hybrid", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert type(plugin).__name__ == "HybridPrecision" and plugin.device == "cpu"
+    with plugin.forward_context():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"zero_stage": 5}, r"`zero_stage=5` is not a ZeRO stage"),
+        ({"pipeline_schedule": "zigzag"}, r"`pipeline_schedule='zigzag'` is unknown"),
+        ({"tensor_parallel_size": 0}, r"`tensor_parallel_size=0` must be a positive integer"),
+        ({"data_parallel_size": "many"}, r"`data_parallel_size='many'` must be a positive integer"),
+        ({"gradient_compression": "zip"}, r"`gradient_compression='zip'` is unknown"),
+        ({"bucket_size_mb": -1}, r"`bucket_size_mb=-1` must be a positive"),
+        ({"activation_checkpointing": "all"}, r"`activation_checkpointing='all'`"),
+        ({"tp_plan": "magic"}, r"`tp_plan='magic'` must be 'auto'"),
+        ({"tp_plan": {"*.q_proj": "diagonal"}}, r"`tp_plan\['\*.q_proj'\]='diagonal'` is not a known style"),
+        ({"hierarchical_allreduce": "yes"}, r"`hierarchical_allreduce='yes'`"),
+        ({"timeout": 30}, r"`timeout=30` must be a datetime.timedelta"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ParallelConfigError, match=match):
+        NPUHybridStrategy(**kwargs)
+
+
+def test_layout_that_does_not_fit_the_world_fails_at_trainer_construction():
+    with pytest.raises(ParallelConfigError, match=r"`data_parallel_size=3` = 3, but the world size is 2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=NPUHybridStrategy(data_parallel_size=3))
+
+
+def test_features_not_landed_yet_refuse_loudly():
+    with pytest.raises(NotImplementedYetError, match="gradient_compression='powersgd'.*not implemented yet"):
+        NPUHybridStrategy(gradient_compression="powersgd")
+
+
+def test_valid_arguments_are_accepted():
+    s = NPUHybridStrategy(zero_stage=0, bucket_size_mb=4, timeout=timedelta(minutes=5), process_group_backend="gloo")
+    assert s.parallel_config.resolve(4).mesh_shape == (1, 4, 1)
