@@ -1,0 +1,177 @@
+"""`DynamicCheckpoint`: checkpoint often while a run is young and fragile, rarely once it is stable.
+
+Early steps are the cheapest to lose but the likeliest to fail (bad configs, divergence), late
+steps the reverse, and large checkpoints cost minutes each; a phase-dependent interval spends the
+save time where a restart would otherwise cost the most. Saves are atomic (see `_store`) and go
+through `trainer.save_checkpoint`, so sharded strategy checkpoints are committed the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_npu.callbacks import _store
+from lightning_npu.callbacks._async_io import TrackedAsyncCheckpointIO
+from lightning_npu.callbacks._dist import broadcast
+from lightning_npu.callbacks._saver import AtomicSaver
+
+log = logging.getLogger(__name__)
+
+
+def _validate_schedule(phase_fractions: Sequence[float], intervals: Sequence[int]) -> None:
+    fractions = list(phase_fractions)
+    if any(not (0.0 < f < 1.0) for f in fractions) or fractions != sorted(set(fractions)):
+        raise ValueError(
+            f"DynamicCheckpoint(phase_fractions={fractions!r}): fractions of max_steps must be strictly increasing "
+            "and inside (0, 1), e.g. phase_fractions=(0.1, 0.8)."
+        )
+    if len(intervals) != len(fractions) + 1:
+        raise ValueError(
+            f"DynamicCheckpoint(intervals={list(intervals)!r}): give one interval per phase, i.e. "
+            f"len(phase_fractions) + 1 = {len(fractions) + 1} intervals, e.g. intervals=(500, 2000, 5000)."
+        )
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 1 for i in intervals):
+        raise ValueError(f"DynamicCheckpoint(intervals={list(intervals)!r}): intervals must be positive integers (steps).")
+
+
+class DynamicCheckpoint(Checkpoint):
+    """Phase-dependent, atomic, rotating checkpoints; resume with ``ckpt_path=DynamicCheckpoint.find_latest(dir)``.
+
+    Args:
+        dirpath: where checkpoints go; default ``<default_root_dir>/checkpoints``.
+        phase_fractions: phase boundaries as fractions of ``max_steps`` (or of the estimated total steps).
+        intervals: save interval in optimizer steps for each phase (one more than ``phase_fractions``).
+        save_on_train_end: also save the final state.
+        keep_last_k: complete checkpoints kept on disk (``None`` keeps all).
+        async_save: write in a background thread (wraps the strategy's checkpoint IO); the commit
+            happens at the first step boundary after every rank's write finished.
+        checksum: record a CRC32 of every file, verified at resume (reads each checkpoint once more).
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        phase_fractions: Sequence[float] = (0.1, 0.8),
+        intervals: Sequence[int] = (500, 2000, 5000),
+        save_on_train_end: bool = True,
+        keep_last_k: Optional[int] = 3,
+        async_save: bool = False,
+        checksum: bool = False,
+    ) -> None:
+        _validate_schedule(phase_fractions, intervals)
+        if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
+            raise ValueError(
+                f"DynamicCheckpoint(keep_last_k={keep_last_k!r}): keep at least 1 checkpoint, or pass None to keep all."
+            )
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.phase_fractions = tuple(float(f) for f in phase_fractions)
+        self.intervals = tuple(intervals)
+        self.save_on_train_end = save_on_train_end
+        self.keep_last_k = keep_last_k
+        self.async_save = async_save
+        self._saver = AtomicSaver(checksum=checksum)
+        self._last_saved_step = -1
+        self.last_checkpoint: Optional[Path] = None
+
+    # ---- schedule -----------------------------------------------------------------------
+    def interval_at(self, step: int, total_steps: float) -> int:
+        """Save interval for the phase that `step` (completed optimizer steps) falls in."""
+        if not math.isfinite(total_steps) or total_steps <= 0:
+            return self.intervals[0]
+        for fraction, interval in zip(self.phase_fractions, self.intervals):
+            if step <= fraction * total_steps:
+                return interval
+        return self.intervals[-1]
+
+    def should_save(self, step: int, total_steps: float) -> bool:
+        return step > 0 and step % self.interval_at(step, total_steps) == 0
+
+    def schedule(self, max_steps: int) -> list[int]:
+        """Exactly the steps that save for a run of `max_steps` optimizer steps (train end included)."""
+        steps = [s for s in range(1, max_steps + 1) if self.should_save(s, max_steps)]
+        if self.save_on_train_end and (not steps or steps[-1] != max_steps):
+            steps.append(max_steps)
+        return steps
+
+    @staticmethod
+    def _total_steps(trainer: Any) -> float:
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return float(trainer.max_steps)
+        return float(trainer.estimated_stepping_batches)
+
+    # ---- discovery ----------------------------------------------------------------------
+    @staticmethod
+    def find_latest(dirpath: str | os.PathLike, exclude: Sequence[Any] = ()) -> Optional[str]:
+        """Newest complete, verified checkpoint in `dirpath` (file or directory), or None."""
+        found = _store.latest_complete(dirpath, exclude=exclude, warn=rank_zero_warn)
+        return str(found) if found is not None else None
+
+    def latest(self) -> Optional[str]:
+        return self.find_latest(self.dirpath) if self.dirpath is not None else None
+
+    # ---- hooks --------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+        self.dirpath = Path(broadcast(trainer, str(self.dirpath)))
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+        if self.async_save and not isinstance(trainer.strategy.checkpoint_io, TrackedAsyncCheckpointIO):
+            trainer.strategy.checkpoint_io = TrackedAsyncCheckpointIO(trainer.strategy.checkpoint_io)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._saver.poll(trainer):
+            self._prune(trainer)
+        step = trainer.global_step
+        if step != self._last_saved_step and self.should_save(step, self._total_steps(trainer)):
+            self.save(trainer, reason="schedule")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.save_on_train_end and trainer.global_step != self._last_saved_step:
+            self.save(trainer, reason="train_end")
+        self.flush(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._saver.abandon(trainer)
+
+    # ---- saving -------------------------------------------------------------------------
+    def save(self, trainer: Any, reason: str = "manual") -> Path:
+        """Save now, on every rank (collective). Returns the final path (committed later if async)."""
+        assert self.dirpath is not None, "DynamicCheckpoint.save() runs after setup (inside Trainer.fit)."
+        step = trainer.global_step
+        final = self.dirpath / _store.checkpoint_name(step)
+        meta = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size}
+        self._saver.save(trainer, final, meta)
+        self._last_saved_step = step
+        self.last_checkpoint = final
+        if not self._saver.has_pending:
+            self._prune(trainer)
+        return final
+
+    def flush(self, trainer: Any) -> None:
+        """Wait for asynchronous writes and commit them (collective)."""
+        if self._saver.poll(trainer, wait=True):
+            self._prune(trainer)
+
+    def _prune(self, trainer: Any) -> None:
+        if not trainer.is_global_zero or self.dirpath is None:
+            return
+        if self.keep_last_k is not None:
+            complete = _store.list_complete(self.dirpath)
+            for info in complete[: max(0, len(complete) - self.keep_last_k)]:
+                _store.delete(info.path)
+        for tmp in _store.stale_temporaries(self.dirpath):
+            _store.remove_path(tmp)  # writes from crashed runs; ours are all committed by now
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": str(self.dirpath) if self.dirpath else None, "last_saved_step": self._last_saved_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_saved_step = int(state_dict.get("last_saved_step", -1))

@@ -1,0 +1,332 @@
+"""`GradientHealthGuard`: catch a diverging or poisoned step before the optimizer applies it.
+
+One NaN in one gradient, applied once, poisons every weight it touches and the run is lost;
+caught between backward and `optimizer.step` it costs one skipped step. The guard reads the
+statistics that predict such failures (gradient norm and variance, loss level and spikes, the
+update-to-weight ratio), takes one decision per step, all-reduces it (max severity) so that every
+rank skips, rolls back or stops together, and logs every statistic to the Lightning loggers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_npu.callbacks import _store
+from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
+from lightning_npu.callbacks._stats import grad_stats, grads_of, params_norm_and_delta
+
+log = logging.getLogger(__name__)
+
+ACTIONS = {"ignore": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
+_NAMES = {v: k for k, v in ACTIONS.items()}
+CHECKS = ("nonfinite", "grad_norm", "loss", "grad_variance", "loss_spike", "update_ratio")
+
+
+def _action(arg: str, value: Any, allowed: Sequence[str] = tuple(ACTIONS)) -> int:
+    if value not in allowed:
+        raise ValueError(f"GradientHealthGuard({arg}={value!r}): choose one of {', '.join(map(repr, allowed))}.")
+    return ACTIONS[value]
+
+
+def _range(arg: str, value: Any) -> Optional[tuple[float, float]]:
+    if value is None:
+        return None
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"GradientHealthGuard({arg}={value!r}): pass (low, high), e.g. (1e-3, 10.0), or None to disable.")
+    if not low < high:
+        raise ValueError(f"GradientHealthGuard({arg}={value!r}): low must be below high.")
+    return low, high
+
+
+class GradientHealthGuard(Callback):
+    """Per-step gradient and loss health checks with warn / skip / rollback / stop actions.
+
+    Ranges are ``(low, high)`` or ``None`` to disable a check. Actions: ``"ignore"``, ``"warn"``,
+    ``"skip"`` (drop this optimizer step), ``"rollback"`` (reload weights and optimizer state from the
+    newest complete checkpoint, LR times ``rollback_lr_factor``), ``"stop"`` (end training after
+    skipping this step). ``escalate_after`` consecutive skipped steps become a rollback, and more
+    than ``max_rollbacks`` rollbacks become a stop, so persistent NaN cannot loop forever.
+    The update ratio |dw|/|w| is measured every ``update_ratio_every`` steps (it needs a copy of the
+    weights) and flagged when it is more than ``update_ratio_tolerance`` times off ``update_ratio_target``;
+    it is known only after the step, so ``"skip"`` is not accepted for it.
+    """
+
+    def __init__(
+        self,
+        nonfinite_action: str = "skip",
+        grad_norm_range: Optional[Sequence[float]] = (1e-3, 1e1),
+        grad_norm_action: str = "warn",
+        loss_range: Optional[Sequence[float]] = (0.0, 1e4),
+        loss_action: str = "warn",
+        grad_variance_range: Optional[Sequence[float]] = (1e-6, 1e-3),
+        grad_variance_action: str = "warn",
+        loss_spike_factor: Optional[float] = 10.0,
+        loss_spike_action: str = "warn",
+        loss_spike_warmup: int = 10,
+        loss_ema_decay: float = 0.98,
+        update_ratio_target: Optional[float] = 1e-5,
+        update_ratio_tolerance: float = 100.0,
+        update_ratio_action: str = "warn",
+        update_ratio_every: int = 50,
+        escalate_after: Optional[int] = 3,
+        max_rollbacks: int = 2,
+        rollback_lr_factor: Optional[float] = 0.5,
+        checkpoint_dir: Optional[str] = None,
+        max_warnings: int = 20,
+    ) -> None:
+        self.severity = {
+            "nonfinite": _action("nonfinite_action", nonfinite_action),
+            "grad_norm": _action("grad_norm_action", grad_norm_action),
+            "loss": _action("loss_action", loss_action),
+            "grad_variance": _action("grad_variance_action", grad_variance_action),
+            "loss_spike": _action("loss_spike_action", loss_spike_action),
+            "update_ratio": _action(
+                "update_ratio_action", update_ratio_action, ("ignore", "warn", "rollback", "stop")
+            ),
+        }
+        self.grad_norm_range = _range("grad_norm_range", grad_norm_range)
+        self.loss_range = _range("loss_range", loss_range)
+        self.grad_variance_range = _range("grad_variance_range", grad_variance_range)
+        if loss_spike_factor is not None and not loss_spike_factor > 1.0:
+            raise ValueError(f"GradientHealthGuard(loss_spike_factor={loss_spike_factor!r}): must be > 1, or None.")
+        if not 0.0 < loss_ema_decay < 1.0:
+            raise ValueError(f"GradientHealthGuard(loss_ema_decay={loss_ema_decay!r}): must be inside (0, 1), e.g. 0.98.")
+        if update_ratio_target is not None and not update_ratio_target > 0:
+            raise ValueError(f"GradientHealthGuard(update_ratio_target={update_ratio_target!r}): must be > 0, or None.")
+        if not update_ratio_tolerance > 1.0:
+            raise ValueError(f"GradientHealthGuard(update_ratio_tolerance={update_ratio_tolerance!r}): must be > 1 (a factor).")
+        if not isinstance(update_ratio_every, int) or update_ratio_every < 1:
+            raise ValueError(f"GradientHealthGuard(update_ratio_every={update_ratio_every!r}): a positive number of steps.")
+        if not isinstance(loss_spike_warmup, int) or loss_spike_warmup < 0:
+            raise ValueError(f"GradientHealthGuard(loss_spike_warmup={loss_spike_warmup!r}): a number of steps >= 0.")
+        if escalate_after is not None and (not isinstance(escalate_after, int) or escalate_after < 1):
+            raise ValueError(f"GradientHealthGuard(escalate_after={escalate_after!r}): a positive number of steps, or None.")
+        if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
+            raise ValueError(f"GradientHealthGuard(max_rollbacks={max_rollbacks!r}): must be an integer >= 0.")
+        if rollback_lr_factor is not None and not 0.0 < rollback_lr_factor <= 1.0:
+            raise ValueError(f"GradientHealthGuard(rollback_lr_factor={rollback_lr_factor!r}): must be in (0, 1], or None.")
+        self.loss_spike_factor = loss_spike_factor
+        self.loss_spike_warmup = loss_spike_warmup
+        self.loss_ema_decay = loss_ema_decay
+        self.update_ratio_target = update_ratio_target
+        self.update_ratio_tolerance = update_ratio_tolerance
+        self.update_ratio_every = update_ratio_every
+        self.escalate_after = escalate_after
+        self.max_rollbacks = max_rollbacks
+        self.rollback_lr_factor = rollback_lr_factor
+        self.checkpoint_dir = checkpoint_dir
+        self.max_warnings = max_warnings
+        # state (saved in checkpoints so that a resumed run judges spikes the same way)
+        self.loss_ema: Optional[float] = None
+        self.good_steps = 0
+        self.skipped_steps = 0
+        self.rollbacks = 0
+        self.consecutive_bad = 0
+        self.warnings = 0
+        self.stop_reason: Optional[str] = None
+        self.events: list[dict[str, Any]] = []
+        self._losses: list[torch.Tensor] = []
+        self._before: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+
+    # ---- hooks --------------------------------------------------------------------------
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach().float())
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = grads_of(params)
+        if not grads:
+            return
+        stats = grad_stats(grads)
+        have_loss = bool(self._losses)  # manual optimization may step without a loss we saw
+        loss = torch.stack(self._losses).mean().reshape(1).to(stats.device) if have_loss else stats[:1] * 0
+        self._losses.clear()
+        grad_norm, grad_var, loss_value = torch.cat([stats, loss]).tolist()
+        if not have_loss:
+            loss_value = float("nan")
+        flags = self._flags(grad_norm, grad_var, loss_value, have_loss)
+        agreed = agree_max(trainer, [float(max((self.severity[c] for c in flags), default=0))] + [
+            1.0 if c in flags else 0.0 for c in CHECKS
+        ])
+        severity = int(agreed[0])
+        flagged = [c for c, f in zip(CHECKS, agreed[1:]) if f > 0]
+        self._log(pl_module, {"health/grad_norm": grad_norm, "health/grad_variance": grad_var, "health/loss": loss_value})
+        self._act(trainer, pl_module, optimizer, params, severity, flagged,
+                  {"grad_norm": grad_norm, "grad_variance": grad_var, "loss": loss_value})
+        if severity < ACTIONS["skip"]:
+            if math.isfinite(loss_value):
+                d = self.loss_ema_decay
+                self.loss_ema = loss_value if self.loss_ema is None else d * self.loss_ema + (1 - d) * loss_value
+                self.good_steps += 1
+            if self._ratio_due(trainer):
+                self._before = (params, [p.detach().clone() for p in params])
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._before is None:
+            return
+        params, before = self._before
+        self._before = None
+        w, d = params_norm_and_delta(params, before)
+        ratio = d / w if w > 0 else float("inf")
+        self._log(pl_module, {"health/update_ratio": ratio})
+        off = self.update_ratio_target is not None and not (
+            self.update_ratio_target / self.update_ratio_tolerance <= ratio <= self.update_ratio_target * self.update_ratio_tolerance
+        )
+        severity = int(agree_max(trainer, [self.severity["update_ratio"] if off else 0])[0])
+        if severity >= ACTIONS["rollback"]:
+            self._act(trainer, pl_module, None, [], severity, ["update_ratio"], {"update_ratio": ratio})
+        elif severity == ACTIONS["warn"]:
+            self._warn(trainer, ["update_ratio"], {"update_ratio": ratio})
+
+    # ---- decisions ----------------------------------------------------------------------
+    def _ratio_due(self, trainer: Any) -> bool:
+        return (
+            self.update_ratio_target is not None
+            and self.severity["update_ratio"] > 0
+            and trainer.global_step % self.update_ratio_every == 0
+        )
+
+    def _flags(self, grad_norm: float, grad_var: float, loss: float, have_loss: bool) -> list[str]:
+        flags = []
+        if not (math.isfinite(grad_norm) and math.isfinite(grad_var) and (math.isfinite(loss) or not have_loss)):
+            return ["nonfinite"]
+        if not have_loss:
+            loss = self.loss_ema if self.loss_ema is not None else 0.0
+        if self.grad_norm_range and not self.grad_norm_range[0] <= grad_norm <= self.grad_norm_range[1]:
+            flags.append("grad_norm")
+        if self.loss_range and not self.loss_range[0] <= loss <= self.loss_range[1]:
+            flags.append("loss")
+        if self.grad_variance_range and not self.grad_variance_range[0] <= grad_var <= self.grad_variance_range[1]:
+            flags.append("grad_variance")
+        if (
+            self.loss_spike_factor is not None
+            and self.loss_ema is not None
+            and self.good_steps >= self.loss_spike_warmup
+            and loss > self.loss_spike_factor * self.loss_ema
+        ):
+            flags.append("loss_spike")
+        return flags
+
+    def _act(
+        self, trainer: Any, pl_module: Any, optimizer: Any, params: list, severity: int, flagged: list[str], values: dict
+    ) -> None:
+        if severity == 0:
+            self.consecutive_bad = 0
+            return
+        if severity == ACTIONS["warn"]:
+            self.consecutive_bad = 0
+            self._warn(trainer, flagged, values)
+            return
+        if severity == ACTIONS["skip"]:
+            self.consecutive_bad += 1
+            if self.escalate_after is not None and self.consecutive_bad >= self.escalate_after:
+                severity = ACTIONS["rollback"]
+        if severity == ACTIONS["rollback"]:
+            if self.rollbacks >= self.max_rollbacks:
+                severity = ACTIONS["stop"]
+            else:
+                self.rollbacks += 1
+                self.consecutive_bad = 0
+        reason = f"{', '.join(flagged)} at step {trainer.global_step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        self.events.append({"step": trainer.global_step, "action": _NAMES[severity], "checks": flagged, **values})
+        self._drop_step(params)
+        if severity == ACTIONS["skip"]:
+            self.skipped_steps += 1
+            self._log_warning(trainer, f"GradientHealthGuard: skipped the optimizer step ({reason}).")
+        elif severity == ACTIONS["rollback"]:
+            path = self._rollback(trainer, pl_module)
+            self.skipped_steps += 1
+            self._log_warning(trainer, f"GradientHealthGuard: rolled back to {path} ({reason}); rollback {self.rollbacks}/{self.max_rollbacks}.")
+        else:
+            self.skipped_steps += 1
+            self.stop_reason = reason
+            trainer.should_stop = True
+            self._log_warning(trainer, f"GradientHealthGuard: stopping training ({reason}).")
+        self._log(pl_module, {"health/skipped_steps": float(self.skipped_steps), "health/rollbacks": float(self.rollbacks)})
+
+    @staticmethod
+    def _drop_step(params: list) -> None:
+        # optimizers skip parameters without a gradient: no update, no weight decay, no state change
+        for p in params:
+            p.grad = None
+
+    def _checkpoint_dir(self, trainer: Any) -> Optional[Path]:
+        if self.checkpoint_dir is not None:
+            return Path(self.checkpoint_dir)
+        from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
+
+        dyn = find_callback(trainer, DynamicCheckpoint)
+        return dyn.dirpath if dyn is not None else None
+
+    def _rollback(self, trainer: Any, pl_module: Any) -> Optional[str]:
+        dirpath = self._checkpoint_dir(trainer)
+        path = None
+        if dirpath is not None and trainer.is_global_zero:
+            found = _store.latest_complete(dirpath, warn=log.warning)
+            path = str(found) if found is not None else None
+        path = broadcast(trainer, path)
+        if path is None:
+            log.warning("GradientHealthGuard: no complete checkpoint to roll back to; the step is skipped instead.")
+        else:
+            checkpoint = trainer.strategy.load_checkpoint(path, weights_only=False)
+            trainer.strategy.load_model_state_dict(checkpoint, strict=True)
+            trainer.strategy.load_optimizer_state_dict(checkpoint)
+        if self.rollback_lr_factor is not None and self.rollback_lr_factor != 1.0:
+            self._scale_lr(trainer, self.rollback_lr_factor)
+        return path
+
+    @staticmethod
+    def _scale_lr(trainer: Any, factor: float) -> None:
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if hasattr(scheduler, "base_lrs"):  # schedulers recompute lr from base_lrs at every step
+                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+    # ---- reporting ----------------------------------------------------------------------
+    def _warn(self, trainer: Any, flagged: list[str], values: dict) -> None:
+        self.events.append({"step": trainer.global_step, "action": "warn", "checks": flagged, **values})
+        ranges = {
+            "grad_norm": self.grad_norm_range,
+            "loss": self.loss_range,
+            "grad_variance": self.grad_variance_range,
+            "loss_spike": f"<= {self.loss_spike_factor} x running mean {self.loss_ema}",
+            "update_ratio": f"{self.update_ratio_target} within x{self.update_ratio_tolerance}",
+        }
+        detail = "; ".join(f"{c} expected {ranges.get(c)}" for c in flagged)
+        values_s = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        self._log_warning(trainer, f"GradientHealthGuard: step {trainer.global_step}: {values_s} ({detail}).")
+
+    def _log_warning(self, trainer: Any, message: str) -> None:
+        self.warnings += 1
+        if trainer.is_global_zero and (self.warnings <= self.max_warnings or self.warnings % 1000 == 0):
+            log.warning(message)
+
+    @staticmethod
+    def _log(pl_module: Any, metrics: dict[str, float]) -> None:
+        if pl_module._trainer is not None:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_ema": self.loss_ema,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loss_ema = state_dict.get("loss_ema")
+        self.good_steps = int(state_dict.get("good_steps", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.rollbacks = int(state_dict.get("rollbacks", 0))

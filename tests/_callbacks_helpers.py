@@ -1,0 +1,109 @@
+"""Tiny deterministic models and runners shared by the callback tests (and their scripts).
+
+`StepSeeded` draws its batch from (global_step, rank), not from the data loader, so a run resumed
+from any checkpoint replays exactly the batches an uninterrupted run sees: final parameters of a
+recovered run can then be compared bit for bit with a reference run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class StepSeeded(L.LightningModule):
+    def __init__(
+        self,
+        lr: float = 0.05,
+        nan_at: tuple[int, ...] = (),
+        nan_from: Optional[int] = None,
+        nan_ranks: tuple[int, ...] = (0,),
+        raise_at: Optional[int] = None,
+        raise_flag: Optional[str] = None,
+        signal_at: Optional[int] = None,
+        signal_rank: int = 0,
+        kill_at: Optional[int] = None,
+        kill_rank: int = 1,
+        kill_flag: Optional[str] = None,
+        lr_schedule: bool = False,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.lr = lr
+        self.nan_at, self.nan_from, self.nan_ranks = set(nan_at), nan_from, set(nan_ranks)
+        self.raise_at, self.raise_flag = raise_at, raise_flag
+        self.signal_at, self.signal_rank = signal_at, signal_rank
+        self.kill_at, self.kill_rank, self.kill_flag = kill_at, kill_rank, kill_flag
+        self.lr_schedule = lr_schedule
+        self.losses: dict[int, float] = {}
+        self.param_log: dict[int, torch.Tensor] = {}
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+        x = torch.randn(16, 8, generator=g)
+        return x, x.sum(1, keepdim=True).sin()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        step = self.global_step
+        if self.raise_at == step and (self.raise_flag is None or not Path(self.raise_flag).exists()):
+            if self.raise_flag is not None:
+                Path(self.raise_flag).touch()
+            raise RuntimeError(f"injected failure at step {step}")
+        if self.signal_at == step and self.global_rank == self.signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.kill_at == step and self.global_rank == self.kill_rank:
+            if self.kill_flag is None or not Path(self.kill_flag).exists():
+                if self.kill_flag is not None:
+                    Path(self.kill_flag).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        x, y = self.batch()
+        loss = F.mse_loss(self.net(x), y)
+        self.losses[step] = loss.item()
+        return loss
+
+    def on_after_backward(self) -> None:
+        step = self.global_step
+        poisoned = step in self.nan_at or (self.nan_from is not None and step >= self.nan_from)
+        if poisoned and self.global_rank in self.nan_ranks:
+            self.net[0].weight.grad.view(-1)[0] = float("nan")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.param_log[self.global_step] = flat_params(self)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        if not self.lr_schedule:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4096, 1)), batch_size=1)
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+
+def trainer_kwargs(root: str | Path, max_steps: int, **extra: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        num_sanity_val_steps=0,
+    )
+    kw.update(extra)
+    return kw
