@@ -14,7 +14,7 @@ std::vector<at::Tensor> add_norm_forward(const at::Tensor&, const c10::optional<
                                          bool);
 std::vector<at::Tensor> add_norm_backward(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                                           const c10::optional<at::Tensor>&, const at::Tensor&,
-                                          const c10::optional<at::Tensor>&, bool, bool, bool);
+                                          const c10::optional<at::Tensor>&, double, bool, bool, bool);
 at::Tensor scale_mask_softmax_forward(const at::Tensor&, double, bool, const c10::optional<at::Tensor>&);
 at::Tensor scale_mask_softmax_backward(const at::Tensor&, const at::Tensor&, double, bool);
 at::Tensor swiglu_forward(const at::Tensor&, const at::Tensor&);

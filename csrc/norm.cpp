@@ -79,10 +79,47 @@ void fwd_impl(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, c
   });
 }
 
+// Narrow rows cancel catastrophically in the input gradient (hidden 1, RMSNorm: the factor
+// 1 - xhat^2 = eps / (x^2 + eps)), so they recompute the row statistics and the gradient in
+// double. Wide rows have no such structural cancellation and stay in the vector path.
+constexpr int64_t kSmallRow = 16;
+
+template <typename T, typename A>
+void small_row_backward(const T* gr, const T* hr, const T* er, const A* wp, int64_t H, double eps, bool rms, A* accw,
+                        A* accb, T* out) {
+  double mu = 0, q = 0, s1 = 0, s2 = 0;
+  if (!rms) {
+    for (int64_t c = 0; c < H; ++c) mu += static_cast<double>(hr[c]);
+    mu /= static_cast<double>(H);
+  }
+  for (int64_t c = 0; c < H; ++c) {
+    const double d = static_cast<double>(hr[c]) - mu;
+    q += d * d;
+  }
+  const double rs = 1.0 / std::sqrt(q / static_cast<double>(H) + eps);
+  for (int64_t c = 0; c < H; ++c) {
+    const double g0 = static_cast<double>(gr[c]);
+    const double xh = (static_cast<double>(hr[c]) - mu) * rs;
+    if (accw) accw[c] += static_cast<A>(g0 * xh);
+    if (accb) accb[c] += static_cast<A>(g0);
+    const double g = wp ? g0 * static_cast<double>(wp[c]) : g0;
+    s1 += g;
+    s2 += g * xh;
+  }
+  const double m1 = rms ? 0.0 : s1 / static_cast<double>(H), m2 = s2 / static_cast<double>(H);
+  for (int64_t c = 0; c < H; ++c) {
+    const double g = wp ? static_cast<double>(gr[c]) * static_cast<double>(wp[c]) : static_cast<double>(gr[c]);
+    const double xh = (static_cast<double>(hr[c]) - mu) * rs;
+    double o = rs * (g - m1 - xh * m2);
+    if (er) o += static_cast<double>(er[c]);
+    out[c] = static_cast<T>(o);
+  }
+}
+
 template <typename T>
 void bwd_impl(const at::Tensor& gy, const at::Tensor& h, const at::Tensor& w, const at::Tensor& mean,
-              const at::Tensor& rstd, const at::Tensor& gh_extra, bool rms, bool need_gb, at::Tensor& gx, at::Tensor& gw,
-              at::Tensor& gb) {
+              const at::Tensor& rstd, const at::Tensor& gh_extra, double eps, bool rms, bool need_gb, at::Tensor& gx,
+              at::Tensor& gw, at::Tensor& gb) {
   using V = AVec<T>;
   using A = acc_t<T>;
   constexpr int64_t L = kLanes<T>;
@@ -103,6 +140,11 @@ void bwd_impl(const at::Tensor& gy, const at::Tensor& h, const at::Tensor& w, co
     for (int64_t r = r0; r < r1; ++r) {
       const T* gr = gp + r * H;
       const T* hr = hp + r * H;
+      if (H <= kSmallRow) {
+        small_row_backward(gr, hr, ep ? ep + r * H : nullptr, wp, H, eps, rms, need_gw ? accw : nullptr,
+                           need_gb ? accb : nullptr, gxp + r * H);
+        continue;
+      }
       const V vmu(mp ? mp[r] : A(0)), vrs(sp[r]);
       V s1(0), s2(0);
       int64_t c = 0;
@@ -189,8 +231,8 @@ std::vector<at::Tensor> add_norm_forward(const at::Tensor& x, const c10::optiona
 std::vector<at::Tensor> add_norm_backward(const at::Tensor& gy, const at::Tensor& h,
                                           const c10::optional<at::Tensor>& weight,
                                           const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
-                                          const c10::optional<at::Tensor>& grad_h, bool rms, bool need_gw,
-                                          bool need_gb) {
+                                          const c10::optional<at::Tensor>& grad_h, double eps, bool rms,
+                                          bool need_gw, bool need_gb) {
   check_cpu_contig(gy, "grad");
   check_cpu_contig(h, "input");
   at::Tensor w = opt(weight), m = opt(mean), gh = opt(grad_h);
@@ -201,7 +243,7 @@ std::vector<at::Tensor> add_norm_backward(const at::Tensor& gy, const at::Tensor
   at::Tensor gw = need_gw ? at::empty({H}, h.options().dtype(at_)) : at::Tensor();
   at::Tensor gb = need_gb ? at::empty({H}, h.options().dtype(at_)) : at::Tensor();
   LNPU_DISPATCH_FLOATING(h.scalar_type(), "add_norm_backward",
-                         [&] { bwd_impl<scalar_t>(gy, h, w, m, rstd, gh, rms, need_gb, gx, gw, gb); });
+                         [&] { bwd_impl<scalar_t>(gy, h, w, m, rstd, gh, eps, rms, need_gb, gx, gw, gb); });
   return {gx, gw, gb};
 }
 

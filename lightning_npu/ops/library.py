@@ -143,19 +143,20 @@ def add_norm_backward(
     weight: Optional[Tensor],
     mean: Tensor,
     rstd: Tensor,
+    eps: float,
     rms: bool,
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     gx, gw, gb = _k().add_norm_backward(
-        grad.contiguous(), h.contiguous(), _c(weight), None if rms else mean, rstd, _c(grad_h), rms, need_weight,
+        grad.contiguous(), h.contiguous(), _c(weight), None if rms else mean, rstd, _c(grad_h), eps, rms, need_weight,
         need_bias,
     )
     return gx, _or_empty(gw, rstd), _or_empty(gb, rstd)
 
 
 @add_norm_backward.register_fake
-def _(grad, grad_h, h, weight, mean, rstd, rms, need_weight, need_bias):
+def _(grad, grad_h, h, weight, mean, rstd, eps, rms, need_weight, need_bias):
     width = (h.shape[-1],)
     return (
         torch.empty_like(h, memory_format=torch.contiguous_format),
@@ -168,7 +169,7 @@ def _add_norm_setup(ctx, inputs, output):
     x, residual, weight, bias, eps, rms = inputs
     y, h, mean, rstd = output
     ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
-    ctx.rms, ctx.has_residual = rms, residual is not None
+    ctx.rms, ctx.eps, ctx.has_residual = rms, eps, residual is not None
     ctx.need_weight = weight is not None and ctx.needs_input_grad[2]
     ctx.need_bias = bias is not None and ctx.needs_input_grad[3]
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
@@ -177,7 +178,7 @@ def _add_norm_setup(ctx, inputs, output):
 def _add_norm_bwd(ctx, gy, gh, _gmean, _grstd):
     h, weight, mean, rstd = ctx.saved_tensors
     extra = gh if ctx.has_residual and gh is not None and gh.numel() else None
-    gx, gw, gb = add_norm_backward(gy, extra, h, weight, mean, rstd, ctx.rms, ctx.need_weight, ctx.need_bias)
+    gx, gw, gb = add_norm_backward(gy, extra, h, weight, mean, rstd, ctx.eps, ctx.rms, ctx.need_weight, ctx.need_bias)
     return (
         gx,
         gx if ctx.has_residual else None,

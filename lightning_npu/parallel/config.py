@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
-TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "sequence", "replicate")
+TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "qkv", "gate_up", "sequence", "replicate")
 HIERARCHICAL = ("auto", True, False)
 
 
@@ -125,12 +125,10 @@ class ParallelConfig:
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
         pending = {
-            "tensor_parallel_size": (self.tensor_parallel_size != 1, "tensor parallelism"),
             "pipeline_parallel_size": (self.pipeline_parallel_size != 1, "pipeline parallelism"),
             "zero_stage": (self.zero_stage in (2, 3), "ZeRO stages 2 and 3"),
             "sequence_parallel": (self.sequence_parallel, "sequence parallelism"),
             "activation_checkpointing": (self.activation_checkpointing is not None, "activation checkpointing"),
-            "fuse_ops": (bool(self.fuse_ops), "the fused-op rewrite pass"),
             "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
             "hierarchical_allreduce": (self.hierarchical_allreduce is True, "hierarchical all-reduce"),
         }
