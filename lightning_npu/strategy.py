@@ -9,6 +9,7 @@ accumulation's `no_sync` and checkpoint IO are Lightning's own.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -82,6 +83,8 @@ class NPUHybridStrategy(DDPStrategy):
         )
         self._device_mesh: Optional[DeviceMesh] = None
         self.fusion_report: Any = None
+        # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
+        self.tp_report: Any = None
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -107,6 +110,7 @@ class NPUHybridStrategy(DDPStrategy):
             self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
 
     def setup_environment(self) -> None:
+        self._plan_tensor_parallel()  # a tp plan that does not fit the model fails before any process group
         super().setup_environment()
         assert self.lightning_module is not None
         # Lightning's LightningModule.device_mesh reads this attribute (also in configure_model).
@@ -124,12 +128,13 @@ class NPUHybridStrategy(DDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        # Lightning builds MixedPrecision(device="cuda") for every non-CPU accelerator; re-target it.
-        if type(plugin) is MixedPrecision and self.accelerator is not None:
-            from lightning_npu.precision import HybridPrecision
+        # Lightning's plugins for "32-true", "bf16-mixed", "16-mixed", "bf16-true" and "16-true" become
+        # HybridPrecision on the accelerator's device type (Lightning builds MixedPrecision(device="cuda")
+        # for every non-CPU accelerator); any other plugin is refused with a clear error.
+        from lightning_npu.precision import as_hybrid_precision
 
-            plugin = HybridPrecision(plugin.precision, device=type(self.accelerator).name())
-        self._precision_plugin = plugin
+        device = type(self.accelerator).name() if self.accelerator is not None else None
+        self._precision_plugin = as_hybrid_precision(plugin, device)
 
     # ---- model and optimizers -----------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -137,13 +142,131 @@ class NPUHybridStrategy(DDPStrategy):
             from lightning_npu.ops import rewrite_modules
 
             self.fusion_report = rewrite_modules(model, device=self.root_device)
-        return data_parallel.wrap_data_parallel(
+        sharded = self._apply_tensor_parallel(model)
+        wrapped = data_parallel.wrap_data_parallel(
             model,
             self.device_mesh,
             device_ids=self.determine_ddp_device_ids(),
             bucket_size_mb=self.parallel_config.bucket_size_mb,
             ddp_kwargs=self._ddp_kwargs,
         )
+        if sharded:
+            # DDP has taken every parameter; from now on Lightning's whole-world state broadcast (before
+            # validate/test) must skip the tp shards, which differ between tp ranks by design.
+            model._ddp_params_and_buffers_to_ignore = sharded
+        return wrapped
+
+    # ---- tensor parallelism (lightning_npu.parallel.tensor) ------------------------------
+    def _plan_tensor_parallel(self) -> Any:
+        cfg = self.parallel_config
+        if cfg.tensor_parallel_size == 1 or cfg.tp_plan is None:
+            return None
+        if self.tp_report is None:
+            module = self.lightning_module
+            if module is None or not any(True for _ in module.parameters()):
+                return None  # the model is built in configure_model: planned in _setup_model
+            from lightning_npu.parallel.tensor import plan_tensor_parallel
+
+            self.tp_report = plan_tensor_parallel(module, cfg.tensor_parallel_size, cfg.tp_plan)
+        return self.tp_report
+
+    def _apply_tensor_parallel(self, model: torch.nn.Module) -> list[str]:
+        """Shard `model` over mesh["tp"] and localize its DTensor parameters for DDP; returns their names."""
+        from lightning_npu.parallel import tensor as tp
+
+        model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+        plan = self._plan_tensor_parallel()
+        if plan is None or not plan.styles:
+            return []
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            from lightning_npu.parallel.config import NotImplementedYetError
+
+            raise NotImplementedYetError(
+                f"`gradient_clip_val={trainer.gradient_clip_val}` with gradient_clip_algorithm='norm' under "
+                f"tensor_parallel_size={plan.tp_size}: the norm would be computed per tp shard; use "
+                "gradient_clip_algorithm='value' or no clipping for now."
+            )
+        if not plan.applied:
+            tp.apply_tensor_parallel(model, self.device_mesh["tp"], plan)
+            tp.localize_parameters(model)
+        return [n for n, p in model.named_parameters() if getattr(p, "_lnpu_tp", None) is not None]
+
+    def _tp_active(self) -> bool:
+        return self.tp_report is not None and self.tp_report.applied
+
+    def _loss_context(self) -> Any:
+        if self._tp_active() and self.tp_report.vocab_parallel_head:
+            from lightning_npu.parallel.tensor import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy()
+        return nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().predict_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # the vocab-parallel cross-entropy's backward must run under loss_parallel too
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # checkpoints hold full (unsharded, original-layout) tensors whatever the tp size: gathered over tp
+    # on save, sliced on load. Collective: Lightning calls these on every rank.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if not self._tp_active():
+            return state
+        from lightning_npu.parallel.tensor import full_state_dict
+
+        return full_state_dict(self.lightning_module, state)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self._tp_active():
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        from lightning_npu.parallel.tensor import load_full_state_dict
+
+        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._tp_active():
+            return super().optimizer_state(optimizer)
+        from lightning_npu.parallel.tensor import full_optimizer_state_dict
+
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        dp_rank = self.device_mesh["dp"].get_local_rank()
+        if hasattr(inner, "consolidate_state_dict"):
+            inner.consolidate_state_dict(to=0)  # onto dp-rank 0 of every tp column
+            if dp_rank != 0:
+                return {}
+        elif dp_rank != 0:
+            return {}
+        state = full_optimizer_state_dict(inner, inner.state_dict())  # collective over the tp group
+        return state if self.is_global_zero else {}
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self._tp_active():
+            return super().load_optimizer_state_dict(checkpoint)
+        from lightning_npu.parallel.tensor import shard_optimizer_state_dict
+
+        states = checkpoint["optimizer_states"]
+        checkpoint = {**checkpoint, "optimizer_states": [
+            shard_optimizer_state_dict(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, s)
+            for opt, s in zip(self.optimizers, states)
+        ]}
+        super().load_optimizer_state_dict(checkpoint)
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)

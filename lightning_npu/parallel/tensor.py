@@ -1,0 +1,628 @@
+"""Tensor parallelism over the mesh's ``tp`` dimension, built on DTensor.
+
+An ordinary PyTorch model is sharded without rewriting its layers:
+
+* :func:`plan_tensor_parallel` turns ``tp_plan`` ("auto", a dict of ``glob -> style name`` or
+  ``glob -> ParallelStyle``) into a per-module plan and validates it against the tp size
+  (heads, kv-heads, hidden/FFN widths, vocabulary) **without any process group**, so a bad layout
+  fails before ``init_process_group``;
+* :func:`apply_tensor_parallel` runs DTensor's ``parallelize_module`` with those styles, re-ties
+  tied weights and gives attention modules their local head counts;
+* :func:`localize_parameters` converts the DTensor parameters into plain local shards that DDP and
+  ZeRO-1 can handle (each sharded module rebuilds DTensors from them around its own forward, like
+  torch's ``_pre_dp_module_transform`` but per module and aware of tied weights);
+* :func:`vocab_parallel_cross_entropy` is a context in which ``F.cross_entropy`` on vocab-sharded
+  logits runs DTensor's ``loss_parallel`` (max-subtracted log-softmax, never gathering the logits)
+  and returns a plain tensor, so an unchanged ``training_step`` can ``self.log`` it;
+* :func:`full_state_dict` / :func:`load_full_state_dict` and the optimizer equivalents translate
+  between the local shards and full (unsharded, original-layout) tensors for checkpoints.
+
+Fused projections (GPT-2's ``c_attn`` = q|k|v, ``gate_up_proj`` = gate|up) are column-sharded so
+that each rank holds *its* heads of every part: the output rows are reordered rank-major before
+sharding (rank r holds ``[q_r, k_r, v_r]``), so the unchanged ``view(b, t, 3, heads, head_dim)``
+of the model sees its local heads. The reordering is internal: :func:`full_state_dict` undoes it,
+so checkpoints and ``state_dict`` keys and layouts are those of the unsharded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.overrides import TorchFunctionMode
+
+from lightning_npu.parallel.config import ParallelConfigError
+
+__all__ = [
+    "Colwise",
+    "Rowwise",
+    "TensorParallelPlan",
+    "apply_tensor_parallel",
+    "full_state_dict",
+    "load_full_state_dict",
+    "localize_parameters",
+    "plan_tensor_parallel",
+    "style_from_name",
+    "vocab_parallel_cross_entropy",
+]
+
+# ---- module-name conventions the automatic plan recognises ---------------------------------
+COLWISE_NAMES = {
+    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc1", "w1", "w3", "wq", "wk", "wv",
+    "query", "key", "value", "fc_in",
+}
+FUSED_NAMES = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "qkv": 3, "gate_up_proj": 2}
+ROWWISE_NAMES = {"o_proj", "out_proj", "down_proj", "c_proj", "fc2", "w2", "wo", "fc_out", "dense_4h_to_h"}
+VOCAB_EMBEDDING_NAMES = {"wte", "embed_tokens", "word_embeddings", "tok_embeddings"}
+POSITION_EMBEDDING_NAMES = {"wpe", "position_embeddings", "embed_positions"}
+HEAD_NAMES = {"lm_head", "output"}
+HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
+KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
+Q_NAMES = {"q_proj", "wq", "query", "c_attn", "qkv_proj", "Wqkv", "qkv"}
+KV_NAMES = {"k_proj", "v_proj", "wk", "wv", "key", "value"}
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def _rank_major(t: torch.Tensor, dim: int, fused: int, tp: int) -> torch.Tensor:
+    """Reorder ``[part0 | part1 | ...]`` along `dim` so that contiguous tp-chunks hold ``[p0_r | p1_r | ...]``."""
+    if fused == 1:
+        return t
+    parts = [p.chunk(tp, dim) for p in t.chunk(fused, dim)]
+    return torch.cat([parts[j][r] for r in range(tp) for j in range(fused)], dim)
+
+
+def _part_major(t: torch.Tensor, dim: int, fused: int, tp: int) -> torch.Tensor:
+    """Inverse of :func:`_rank_major`."""
+    if fused == 1:
+        return t
+    pieces = t.chunk(tp * fused, dim)  # ordered (rank, part)
+    return torch.cat([pieces[r * fused + j] for j in range(fused) for r in range(tp)], dim)
+
+
+# ---- styles ----------------------------------------------------------------------------------
+class Colwise(ColwiseParallel):
+    """DTensor's ColwiseParallel, extended to transformers' ``Conv1D`` and to fused projections.
+
+    ``fused=3`` (q|k|v) or ``2`` (gate|up) shards every part by columns and keeps each rank's parts
+    together (see the module docstring); the parameter DTensor is ``Shard(out_dim)`` of the
+    rank-major reordered weight, which :func:`full_state_dict` maps back to the original layout.
+    """
+
+    def __init__(self, *, fused: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        out_dim = 1 if _is_conv1d(module) else 0
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = out_dim if param.dim() == 2 else 0
+            full = _rank_major(param.data, dim, self.fused, device_mesh.size())
+            dist = nn.Parameter(
+                distribute_tensor(full, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            dist._lnpu_fused = (dim, self.fused)  # type: ignore[attr-defined]
+            module.register_parameter(pname, dist)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding) and self.fused == 1:
+            return super()._apply(module, device_mesh)
+        if not _is_linear(module):
+            raise ParallelConfigError(
+                f"column-wise sharding needs an nn.Linear, transformers Conv1D or nn.Embedding, got "
+                f"{type(module).__name__}; pass a DTensor ParallelStyle object for it in `tp_plan`."
+            )
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + (f", fused={self.fused})" if self.fused != 1 else ")")
+
+
+class Rowwise(RowwiseParallel):
+    """DTensor's RowwiseParallel, extended to transformers' ``Conv1D`` (weight ``[in, out]``: Shard(0))."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        module.register_parameter(
+            "weight",
+            nn.Parameter(
+                distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=module.weight.requires_grad,
+            ),
+        )
+        if getattr(module, "bias", None) is not None:
+            module.register_parameter(
+                "bias",
+                nn.Parameter(
+                    distribute_tensor(module.bias, device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                    requires_grad=module.bias.requires_grad,
+                ),
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _Replicate(ParallelStyle):
+    """Leave the module replicated on every tp rank (norms, position embeddings)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+def style_from_name(name: str, module: nn.Module) -> ParallelStyle:
+    """The ParallelStyle a ``tp_plan`` style name means for `module`.
+
+    colwise: column-parallel (output sharded); rowwise: row-parallel (input sharded, output all-reduced;
+    on an Embedding: vocabulary split); vocab: embedding split along the vocabulary, or for a Linear an
+    LM head whose logits stay vocab-sharded for the vocab-parallel cross-entropy; colwise_rep: column-parallel
+    with the output gathered; qkv / gate_up: fused column-parallel keeping each rank's parts together;
+    sequence: norm/dropout on sequence shards; replicate: not sharded.
+    """
+    if name == "colwise":
+        return Colwise()
+    if name == "qkv":
+        return Colwise(fused=3)
+    if name == "gate_up":
+        return Colwise(fused=2)
+    if name == "rowwise":
+        return Rowwise(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else Rowwise()
+    if name == "vocab":
+        if isinstance(module, nn.Embedding):
+            return Rowwise(input_layouts=Replicate())
+        return Colwise(output_layouts=Shard(-1), use_local_output=False)
+    if name == "colwise_rep":
+        return Colwise(output_layouts=Replicate())
+    if name == "sequence":
+        return SequenceParallel()
+    if name == "replicate":
+        return _Replicate()
+    raise ParallelConfigError(f"unknown tensor-parallel style {name!r}.")
+
+
+# ---- planning and validation (no process group needed) ---------------------------------------
+@dataclass
+class TensorParallelPlan:
+    """A resolved plan: module FQN -> (style name or "custom", ParallelStyle)."""
+
+    tp_size: int
+    styles: dict[str, tuple[str, ParallelStyle]] = field(default_factory=dict)
+    local_heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    replicated: list[str] = field(default_factory=list)
+    applied: bool = False
+
+    @property
+    def vocab_parallel_head(self) -> bool:
+        return any(
+            isinstance(s, ColwiseParallel) and not s.use_local_output and isinstance(s.output_layouts[0], Shard)
+            for _, s in self.styles.values()
+        )
+
+    def report(self) -> str:
+        lines = [f"tensor parallel (tp={self.tp_size}): {len(self.styles)} module(s) sharded"]
+        lines += [f"  {fqn}: {name}" for fqn, (name, _) in self.styles.items()]
+        for fqn, attrs in self.local_heads.items():
+            lines.append(f"  {fqn}: " + ", ".join(f"{a} {g} -> {l}" for a, (g, l) in attrs.items()))
+        if self.replicated:
+            lines.append(f"  replicated: {', '.join(self.replicated)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _auto_style(fqn: str, module: nn.Module, vocab_sizes: set[int]) -> Optional[str]:
+    leaf = fqn.rsplit(".", 1)[-1]
+    if isinstance(module, nn.Embedding):
+        if leaf in VOCAB_EMBEDDING_NAMES:
+            return "vocab"
+        if leaf in POSITION_EMBEDDING_NAMES:
+            return "replicate"
+        return None
+    if not _is_linear(module):
+        return None
+    in_f, out_f = _features(module)
+    if leaf in FUSED_NAMES:
+        fused = FUSED_NAMES[leaf]
+        if leaf == "c_attn" and out_f != 3 * in_f:
+            return None  # cross-attention's c_attn (k|v only) is not a q|k|v projection
+        return "qkv" if fused == 3 else "gate_up"
+    if leaf in COLWISE_NAMES:
+        return "colwise"
+    if leaf in ROWWISE_NAMES:
+        return "rowwise"
+    if leaf in HEAD_NAMES and (not vocab_sizes or out_f in vocab_sizes):
+        return "vocab"
+    return None
+
+
+def _has_own_weights(module: nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
+def _check_divides(tp: int, what: str, value: int, fqn: str, fix: str = "") -> None:
+    if value % tp:
+        raise ParallelConfigError(
+            f"tensor_parallel_size={tp} does not divide {what}={value} (module {fqn}){fix}"
+        )
+
+
+def _head_counts(module: nn.Module) -> dict[str, int]:
+    found = {}
+    for attr in HEAD_ATTRS + KV_HEAD_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            found[attr] = value
+    config = getattr(module, "config", None)
+    if config is not None:
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and attr not in found:
+                found[f"config.{attr}"] = value
+    return found
+
+
+def plan_tensor_parallel(model: nn.Module, tp_size: int, tp_plan: Any = "auto") -> TensorParallelPlan:
+    """Resolve `tp_plan` for `model` and validate it against `tp_size`; raises ParallelConfigError.
+
+    No process group is needed: the strategy calls this before ``init_process_group``.
+    """
+    plan = TensorParallelPlan(tp_size)
+    if tp_size == 1 or tp_plan is None:
+        return plan
+    modules = dict(model.named_modules())
+    vocab_sizes = {m.num_embeddings for f, m in modules.items()
+                   if isinstance(m, nn.Embedding) and f.rsplit(".", 1)[-1] in VOCAB_EMBEDDING_NAMES}
+    if tp_plan == "auto":
+        unknown = []
+        for fqn, module in modules.items():
+            if not fqn or not _has_own_weights(module):
+                if fqn and any(True for _ in module.parameters(recurse=False)):
+                    plan.replicated.append(fqn)  # norms and other 1-D parameters stay replicated
+                continue
+            name = _auto_style(fqn, module, vocab_sizes)
+            if name is None:
+                unknown.append(f"{fqn} ({type(module).__name__})")
+            elif name == "replicate":
+                plan.replicated.append(fqn)
+            else:
+                plan.styles[fqn] = (name, style_from_name(name, module))
+        if unknown:
+            raise ParallelConfigError(
+                f"tp_plan='auto' cannot shard module {unknown[0]}"
+                + (f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])}{'...' if len(unknown) > 4 else ''})"
+                   if len(unknown) > 1 else "")
+                + ": its name/type matches no known transformer layout (nanoGPT/GPT-2 c_attn/c_proj/c_fc, "
+                "Llama q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj, embed_tokens, lm_head). Pass "
+                "an explicit plan, e.g. tp_plan={'<module glob>': 'colwise'|'rowwise'|'vocab'|'replicate'|...}."
+            )
+        if not plan.styles:
+            raise ParallelConfigError(
+                f"tp_plan='auto' found nothing to shard in {type(model).__name__}; pass an explicit tp_plan dict."
+            )
+    else:
+        for pattern, style in tp_plan.items():
+            matched = [f for f in modules if f and fnmatch.fnmatchcase(f, pattern)]
+            if not matched:
+                raise ParallelConfigError(f"`tp_plan[{pattern!r}]` matches no module of {type(model).__name__}.")
+            for fqn in matched:
+                if isinstance(style, ParallelStyle):
+                    plan.styles[fqn] = ("custom", style)
+                elif style == "replicate":
+                    plan.replicated.append(fqn)
+                else:
+                    plan.styles[fqn] = (style, style_from_name(style, modules[fqn]))
+    _validate(plan, modules)
+    return plan
+
+
+def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
+    tp = plan.tp_size
+    # attention modules: the parents of sharded q/k/v projections must have divisible head counts
+    for fqn, (name, _) in plan.styles.items():
+        parent_fqn, _, leaf = fqn.rpartition(".")
+        if name in ("colwise", "qkv") and (leaf in Q_NAMES or leaf in KV_NAMES) and parent_fqn in modules:
+            parent = modules[parent_fqn]
+            counts = _head_counts(parent)
+            for attr, value in counts.items():
+                is_kv = attr.split(".")[-1] in KV_HEAD_ATTRS
+                _check_divides(
+                    tp, "num_kv_heads" if is_kv else "num_heads", value, parent_fqn,
+                    "; every rank needs whole (key/value) heads: choose a tensor_parallel_size that divides it.",
+                )
+            own = {a: v for a, v in counts.items() if not a.startswith("config.")}
+            if own:
+                plan.local_heads[parent_fqn] = {a: (v, v // tp) for a, v in own.items()}
+    for fqn, (name, style) in plan.styles.items():
+        module = modules[fqn]
+        if name == "custom":
+            continue
+        if isinstance(module, nn.Embedding):
+            dim_size = module.num_embeddings if name in ("vocab", "rowwise") else module.embedding_dim
+            what = "vocab_size" if name in ("vocab", "rowwise") else "embedding_dim"
+            _check_divides(tp, what, dim_size, fqn, _vocab_fix(tp, dim_size) if what == "vocab_size" else "")
+            continue
+        if not _is_linear(module):
+            if name in ("colwise", "rowwise", "vocab", "colwise_rep", "qkv", "gate_up"):
+                raise ParallelConfigError(
+                    f"tp_plan style {name!r} for module {fqn} needs an nn.Linear/Conv1D/nn.Embedding, got "
+                    f"{type(module).__name__}; pass a DTensor ParallelStyle object for it instead."
+                )
+            continue
+        in_f, out_f = _features(module)
+        if name == "rowwise":
+            _check_divides(tp, "in_features", in_f, fqn)
+        elif name == "vocab":
+            _check_divides(tp, "vocab_size (out_features)", out_f, fqn, _vocab_fix(tp, out_f))
+        elif name in ("qkv", "gate_up"):
+            fused = 3 if name == "qkv" else 2
+            _check_divides(tp, f"out_features/{fused}", out_f // fused, fqn)
+        else:
+            _check_divides(tp, "out_features", out_f, fqn)
+
+
+def _vocab_fix(tp: int, vocab: int) -> str:
+    padded = -(-vocab // tp) * tp
+    return (f"; the vocabulary is not padded automatically: pad it to a multiple of {tp} "
+            f"(e.g. vocab_size={padded}; padded token ids never occur as targets) or choose another tp size.")
+
+
+# ---- applying the plan (needs the tp mesh) ---------------------------------------------------
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> TensorParallelPlan:
+    """Shard `model` in place over `tp_mesh` with DTensor's parallelize_module; returns the plan as report."""
+    if plan.applied or not plan.styles:
+        return plan
+    if tp_mesh.size() != plan.tp_size:
+        raise ParallelConfigError(f"the tp mesh has {tp_mesh.size()} ranks but the plan was made for {plan.tp_size}.")
+    # tied weights (GPT-2's lm_head.weight is wte.weight): remember the holders to re-tie after sharding
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mod_fqn, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((mod_fqn, pname))
+    tied = [h for h in holders.values() if len(h) > 1]
+    parallelize_module(model, tp_mesh, {fqn: style for fqn, (_, style) in plan.styles.items()})
+    for group in tied:
+        first_mod, first_name = group[0]
+        keep = getattr(model.get_submodule(first_mod), first_name)
+        for mod_fqn, pname in group[1:]:
+            other = getattr(model.get_submodule(mod_fqn), pname)
+            if isinstance(keep, DTensor) != isinstance(other, DTensor) or (
+                isinstance(keep, DTensor) and keep.placements != other.placements
+            ):
+                raise ParallelConfigError(
+                    f"tied parameters {first_mod}.{first_name} and {mod_fqn}.{pname} got different tensor-parallel "
+                    "layouts; shard both the same way (e.g. 'vocab' for the embedding and the LM head) or untie them."
+                )
+            model.get_submodule(mod_fqn).register_parameter(pname, keep)
+    for fqn, attrs in plan.local_heads.items():
+        module = model.get_submodule(fqn)
+        for attr, (_, local) in attrs.items():
+            setattr(module, attr, local)
+        # transformers' GPT-2 attention splits its fused output by `split_size` (= embed_dim)
+        if "num_heads" in attrs and isinstance(getattr(module, "split_size", None), int) and hasattr(module, "head_dim"):
+            module.split_size = module.head_dim * attrs["num_heads"][1]
+    plan.applied = True
+    return plan
+
+
+# ---- DTensor parameters <-> local shards (for DDP / ZeRO-1 / plain optimizers) -------------
+@dataclass
+class ShardSpec:
+    """How a local parameter shard relates to its full tensor."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+    fused: Optional[tuple[int, int]] = None  # (dim, parts): rank-major reordered fused projection
+
+    def to_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Full tensor in the original (unsharded-model) layout; a collective over the tp group."""
+        full = self.to_dtensor(local.detach()).full_tensor()
+        if self.fused is not None:
+            full = _part_major(full, self.fused[0], self.fused[1], self.mesh.size())
+        return full
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local shard of a full tensor every rank holds (no communication)."""
+        if tuple(full.shape) != tuple(self.shape):
+            raise ValueError(f"expected a full tensor of shape {tuple(self.shape)}, got {tuple(full.shape)}.")
+        tp, rank = self.mesh.size(), self.mesh.get_local_rank()
+        for placement in self.placements:
+            if isinstance(placement, Shard):
+                dim = placement.dim
+                if self.fused is not None:
+                    full = _rank_major(full, self.fused[0], self.fused[1], tp)
+                full = full.chunk(tp, dim)[rank]
+        return full.contiguous()
+
+
+def _spec_of(p: torch.Tensor) -> Optional[ShardSpec]:
+    return getattr(p, "_lnpu_tp", None)
+
+
+def localize_parameters(model: nn.Module) -> int:
+    """Replace DTensor parameters by plain local shards; each module re-wraps its own around forward.
+
+    Returns the number of parameters localized. DDP then all-reduces the local gradients over dp.
+    """
+    local_of: dict[int, nn.Parameter] = {}
+    count = 0
+    for module in model.modules():
+        own = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        if not own:
+            continue
+        locals_: dict[str, nn.Parameter] = {}
+        for pname, p in own.items():
+            if id(p) not in local_of:
+                local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                local._lnpu_tp = ShardSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride(),  # type: ignore
+                                           getattr(p, "_lnpu_fused", None))
+                local_of[id(p)] = local
+                count += 1
+            locals_[pname] = local_of[id(p)]
+            module._parameters[pname] = locals_[pname]
+        module._lnpu_local_params = locals_  # type: ignore[attr-defined]
+        module.register_forward_pre_hook(_to_dtensor_params)
+        module.register_forward_hook(_to_local_params)
+    return count
+
+
+def _to_dtensor_params(module: nn.Module, args: Any) -> None:
+    for pname, local in module._lnpu_local_params.items():
+        module._parameters[pname] = local._lnpu_tp.to_dtensor(local)  # type: ignore[assignment]
+
+
+def _to_local_params(module: nn.Module, args: Any, output: Any) -> None:
+    module._parameters.update(module._lnpu_local_params)
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    return any(_spec_of(p) is not None for p in model.parameters())
+
+
+def _param_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def full_state_dict(model: nn.Module, state_dict: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """`model.state_dict()` with every tensor-parallel shard gathered to the full, original-layout tensor.
+
+    A collective over each tp group: every rank must call it.
+    """
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    params = _param_by_name(model)
+    out = {}
+    for key, value in state_dict.items():
+        spec = _spec_of(params[key]) if key in params else None
+        out[key] = spec.gather(value) if spec is not None else value
+    return out
+
+
+def shard_state_dict(model: nn.Module, full: dict[str, Any]) -> dict[str, Any]:
+    """Slice a full state dict (as :func:`full_state_dict` makes) into this rank's local shards."""
+    params = _param_by_name(model)
+    out = {}
+    for key, value in full.items():
+        spec = _spec_of(params[key]) if key in params else None
+        out[key] = spec.shard(value) if spec is not None and isinstance(value, torch.Tensor) else value
+    return out
+
+
+def load_full_state_dict(model: nn.Module, full: dict[str, Any], strict: bool = True) -> Any:
+    return model.load_state_dict(shard_state_dict(model, full), strict=strict)
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _map_optimizer_state(params: list[torch.Tensor], state_dict: dict[str, Any], fn_name: str) -> dict[str, Any]:
+    out = dict(state_dict)
+    new_state = {}
+    for idx, per_param in state_dict["state"].items():
+        spec = _spec_of(params[idx])
+        if spec is None:
+            new_state[idx] = per_param
+            continue
+        converted = {}
+        for k, v in per_param.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                expected = tuple(params[idx].shape) if fn_name == "gather" else tuple(spec.shape)
+                if tuple(v.shape) == expected:
+                    v = getattr(spec, fn_name)(v)
+            converted[k] = v
+        new_state[idx] = converted
+    out["state"] = new_state
+    return out
+
+
+def full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Gather the parameter-shaped optimizer state (Adam moments, ...) of tp-sharded parameters."""
+    return _map_optimizer_state(_optimizer_params(optimizer), state_dict, "gather")
+
+
+def shard_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    return _map_optimizer_state(_optimizer_params(optimizer), state_dict, "shard")
+
+
+# ---- vocab-parallel cross-entropy --------------------------------------------------------------
+def _class_sharded(t: Any) -> bool:
+    if not isinstance(t, DTensor):
+        return False
+    class_dim = 1 if t.dim() >= 2 else 0
+    return any(isinstance(p, Shard) and p.dim % t.dim() == class_dim for p in t.placements)
+
+
+class _VocabParallelCrossEntropy(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and args and _class_sharded(args[0]):
+            out = func(*args, **kwargs)  # vocab_parallel_cross_entropy() has loss_parallel active around us
+            # the loss is Replicate over tp: its local value is the whole loss, and to_local is differentiable
+            return out.to_local() if isinstance(out, DTensor) else out
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def vocab_parallel_cross_entropy() -> Iterator[None]:
+    """``F.cross_entropy`` on vocab-sharded DTensor logits runs vocab-parallel and returns a plain tensor.
+
+    DTensor's ``loss_parallel`` computes the log-softmax from per-shard maxima and sums (fp32 when
+    the logits are fp32, as ``.float()`` in the loss makes them) and picks each target's logit on the
+    rank that owns it, so the full logits are never gathered; ``ignore_index`` and all reductions
+    are supported. Also enter it around ``backward`` (the strategy does).
+    """
+    with _VocabParallelCrossEntropy(), loss_parallel():
+        yield

@@ -1,0 +1,143 @@
+"""Module-level tensor-parallel training functions that `lightning_npu.launch.spawn` runs in real processes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+import lightning_npu  # noqa: F401
+from examples.gpt.data import TextDataModule
+from examples.gpt.model import GPTModule
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
+from tests._gpt_workers import SMALL_GPT, LossRecorder
+
+
+class HFCausalLM(GPTModule):
+    """GPTModule's loss and optimizer around a `transformers` causal LM built from a small config."""
+
+    def __init__(self, arch: str = "llama", **kwargs: Any) -> None:
+        super().__init__(**{k: v for k, v in kwargs.items() if k in SMALL_GPT})
+        import transformers
+
+        common = dict(vocab_size=256, tie_word_embeddings=arch == "gpt2")
+        if arch == "llama":
+            cfg = transformers.LlamaConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, attention_bias=False, **common,
+            )
+            cfg._attn_implementation = "eager"
+            self.model = transformers.LlamaForCausalLM(cfg)
+        elif arch == "gpt2":
+            cfg = transformers.GPT2Config(
+                n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                **common,
+            )
+            cfg._attn_implementation = "eager"
+            self.model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            raise ValueError(arch)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+def _make_model(arch: str, model_kwargs: Optional[dict[str, Any]]) -> L.LightningModule:
+    kwargs = {**SMALL_GPT, **(model_kwargs or {})}
+    if arch == "gpt":
+        return GPTModule(**kwargs)
+    return HFCausalLM(arch, **kwargs)
+
+
+def train_tp(
+    devices: int,
+    global_batch: int,
+    steps: int,
+    strategy_kwargs: Optional[dict[str, Any]] = None,
+    arch: str = "gpt",
+    model_kwargs: Optional[dict[str, Any]] = None,
+    ckpt_dir: Optional[str] = None,
+    ckpt_in: Optional[str] = None,
+    limit_train_batches: Optional[int] = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    L.seed_everything(seed, verbose=False)
+    strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
+    model = _make_model(arch, model_kwargs)
+    recorder = LossRecorder()
+    callbacks: list[L.Callback] = [recorder]
+    if ckpt_dir is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
+    cfg = strategy.parallel_config
+    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=2,
+        val_check_interval=None,
+        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
+    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    sharded = is_tensor_parallel(model)
+    local_numel = sum(p.numel() for p in model.parameters())
+    state = full_state_dict(model) if sharded else model.state_dict()
+    return {
+        "logged": recorder.logged,
+        "local": recorder.local,
+        "state": {k: v.detach().clone().cpu() for k, v in state.items()},
+        "val_loss": float(val),
+        "global_step": trainer.global_step,
+        "optimizer": type(trainer.strategy.optimizers[0]).__name__,
+        "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
+        "sharded": sharded,
+        "local_numel": local_numel,
+        "report": str(trainer.strategy.tp_report) if trainer.strategy.tp_report is not None else None,
+    }
+
+
+def vocab_parallel_ce_check(seed: int = 0) -> dict[str, Any]:
+    """Vocab-parallel CE on tp-sharded logits vs F.cross_entropy on the full logits (values and grads)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_npu.parallel.tensor import vocab_parallel_cross_entropy
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(seed)
+    # large logits to exercise the max-subtraction; some ignored targets
+    logits = (torch.randn(6, 5, 16) * 30).requires_grad_(True)
+    targets = torch.randint(0, 16, (6, 5))
+    targets[0, :3] = -100
+    targets[4, 1] = -100
+    out = {}
+    for reduction in ("mean", "sum", "none"):
+        ref = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction=reduction)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
+        shard = distribute_tensor(logits.detach(), mesh, [Shard(2)]).requires_grad_(True)
+        with vocab_parallel_cross_entropy():
+            loss = F.cross_entropy(shard.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction=reduction)
+            is_plain = not isinstance(loss, torch.distributed.tensor.DTensor)
+            loss.sum().backward()
+        out[reduction] = dict(
+            loss=loss.detach(), ref=ref.detach(), grad=shard.grad.full_tensor(), ref_grad=ref_grad,
+            local_grad_shape=tuple(shard.grad.to_local().shape), plain=is_plain,
+        )
+    dist.destroy_process_group()
+    return out
