@@ -102,6 +102,31 @@ def _localize(
     return x.to_local(), same_l, vec_l, wrap
 
 
+def _gather_hidden(x: Tensor, *others: Optional[Tensor]):
+    """For a row op whose hidden dim is sharded (or Partial): redistribute so every rank holds
+    whole rows, run locally, and put the outputs back in x's layout with `restore`."""
+    DTensor = _dtensor_cls()
+    from torch.distributed.tensor import Replicate
+
+    def fix(t):
+        if not isinstance(t, DTensor):
+            return t
+        keep = [
+            Replicate() if p.is_partial() or (p.is_shard() and p.dim % t.ndim == t.ndim - 1) else p
+            for p in t.placements
+        ]
+        if t.ndim == 1:  # parameters: replicate
+            keep = [Replicate()] * len(keep)
+        return t.redistribute(t.device_mesh, keep)
+
+    placements = x.placements
+
+    def restore(t: Tensor) -> Tensor:
+        return t.redistribute(t.device_mesh, placements)
+
+    return fix(x), [fix(t) for t in others], restore
+
+
 def _acc(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
     """Norm parameters enter the kernels in the accumulation dtype (fp32 for fp32/bf16 inputs)."""
     if t is None:
@@ -153,7 +178,11 @@ def add_layer_norm(
     """(layer_norm(x + residual), x + residual): the sum feeds the next residual of a pre-norm block."""
     loc = _localize(x, (residual,), (weight, bias), rowwise=True)
     if loc is None:
-        return reference.add_layer_norm(x, residual, weight, bias, eps)
+        xg, (rg, wg, bg), restore = _gather_hidden(x, residual, weight, bias)
+        if _localize(xg, (rg,), (wg, bg), rowwise=True) is None:  # placements we cannot localise
+            return reference.add_layer_norm(x, residual, weight, bias, eps)
+        y, h = add_layer_norm(xg, rg, wg, bg, eps)
+        return restore(y), (x if residual is None else restore(h))
     xl, (rl,), (wl, bl), wrap = loc
     route = backend_for(xl)
     if route == "npu":
@@ -177,7 +206,11 @@ def add_rms_norm(
     """(rms_norm(x + residual), x + residual); eps=None means finfo(dtype).eps as in F.rms_norm."""
     loc = _localize(x, (residual,), (weight,), rowwise=True)
     if loc is None:
-        return reference.add_rms_norm(x, residual, weight, eps)
+        xg, (rg, wg), restore = _gather_hidden(x, residual, weight)
+        if _localize(xg, (rg,), (wg,), rowwise=True) is None:
+            return reference.add_rms_norm(x, residual, weight, eps)
+        y, h = add_rms_norm(xg, rg, wg, eps)
+        return restore(y), (x if residual is None else restore(h))
     xl, (rl,), (wl,), wrap = loc
     route = backend_for(xl)
     if route == "npu":
@@ -208,7 +241,8 @@ def scale_mask_softmax(
         return reference.scale_mask_softmax(scores, scale, causal, mask)  # mask broadcast is global
     loc = _localize(scores, (), (), rowwise=True)
     if loc is None:
-        return reference.scale_mask_softmax(scores, scale, causal, mask)
+        sg, _, restore = _gather_hidden(scores)
+        return restore(scale_mask_softmax(sg, scale, causal, mask))
     xl, _, _, wrap = loc
     if DTensor is not None and isinstance(mask, DTensor):
         mask = mask.to_local()

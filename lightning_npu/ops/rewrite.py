@@ -224,6 +224,8 @@ def rewrite_modules(model: nn.Module, device: Union[torch.device, str, None] = N
     folded: set[str] = set()
     for name, m in model.named_modules():
         if isinstance(m, fm.FusedModule):
+            if isinstance(m, fm.BiasGELUMLPFusion):  # second pass: its GELU stays folded
+                folded.add(f"{name}.gelu" if name else "gelu")
             continue
         if name in folded:
             report.skipped.append(Skipped(name, type(m).__name__, "folded into its parent's fused forward"))
