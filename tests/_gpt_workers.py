@@ -47,6 +47,7 @@ def train_gpt(
     model_kwargs: Optional[dict[str, Any]] = None,
     limit_train_batches: Optional[int] = None,
     seed: int = 0,
+    accumulate_grad_batches: int = 1,
 ) -> dict[str, Any]:
     L.seed_everything(seed, verbose=False)
     strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
@@ -74,6 +75,7 @@ def train_gpt(
         enable_model_summary=False,
         callbacks=callbacks,
         deterministic=True,
+        accumulate_grad_batches=accumulate_grad_batches,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
