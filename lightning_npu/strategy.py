@@ -22,12 +22,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_npu import device as dev
+from lightning_npu._sharded_strategy import ShardedStrategyMixin
 from lightning_npu.parallel import data as data_parallel
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.mesh import build_mesh
 
 
-class NPUHybridStrategy(DDPStrategy):
+class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
     """Hybrid tensor/pipeline/data parallelism on one device mesh, on NPU, CUDA or CPU.
 
     See ARCHITECTURE.md for the meaning of each argument. Arguments are validated here, and the
@@ -56,6 +57,7 @@ class NPUHybridStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        async_save: bool = False,
     ) -> None:
         self.parallel_config = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
@@ -83,6 +85,8 @@ class NPUHybridStrategy(DDPStrategy):
         )
         self._device_mesh: Optional[DeviceMesh] = None
         self.fusion_report: Any = None
+        # checkpoints: write DCP shards in a background thread, committed before the next save/load and at teardown
+        self.async_save = async_save
         # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
         self.tp_report: Any = None
 
@@ -142,6 +146,8 @@ class NPUHybridStrategy(DDPStrategy):
             from lightning_npu.ops import rewrite_modules
 
             self.fusion_report = rewrite_modules(model, device=self.root_device)
+        if self.parallel_config.zero_stage in (2, 3):
+            return self._fully_shard(model)  # FSDP2 over mesh["dp"] (ShardedStrategyMixin); no DDP wrapper
         sharded = self._apply_tensor_parallel(model)
         wrapped = data_parallel.wrap_data_parallel(
             model,

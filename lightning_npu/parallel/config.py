@@ -126,7 +126,6 @@ class ParallelConfig:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
         pending = {
             "pipeline_parallel_size": (self.pipeline_parallel_size != 1, "pipeline parallelism"),
-            "zero_stage": (self.zero_stage in (2, 3), "ZeRO stages 2 and 3"),
             "sequence_parallel": (self.sequence_parallel, "sequence parallelism"),
             "activation_checkpointing": (self.activation_checkpointing is not None, "activation checkpointing"),
             "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
@@ -138,6 +137,12 @@ class ParallelConfig:
                     f"`{name}={getattr(self, name)!r}`: {feature} is not implemented yet in lightning-npu; "
                     f"leave `{name}` at its default for now."
                 )
+        if self.zero_stage in (2, 3) and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise NotImplementedYetError(
+                f"`zero_stage={self.zero_stage}` with `tensor_parallel_size={self.tensor_parallel_size}`, "
+                f"`pipeline_parallel_size={self.pipeline_parallel_size}`: FSDP2 on top of tensor/pipeline parallelism "
+                "is not implemented yet in lightning-npu; use zero_stage=1 with tp/pp > 1 for now."
+            )
 
     # ---- checks that need the world size --------------------------------------------------
     def resolve(self, world_size: int) -> "ParallelConfig":

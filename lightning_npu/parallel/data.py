@@ -3,7 +3,18 @@
 ZeRO 0 and 1 keep parameters and gradients replicated, so they ride on PyTorch's
 DistributedDataParallel (bucketed all-reduce overlapped with backward) restricted to the dp
 process group. ZeRO 1 additionally shards the optimizer state with PyTorch's
-ZeroRedundancyOptimizer: every rank steps only the parameters it owns and broadcasts them.
+ZeroRedundancyOptimizer: every rank steps only the parameters it owns and broadcasts them
+(parameter-granular partition; DDP's all-reduce, then a broadcast per owner: the same bytes
+at rest as Megatron's distributed optimizer, not its reduce-scatter/all-gather traffic).
+
+ZeRO 2 and 3 use FSDP2 (`fully_shard`) over the dp mesh: every transformer block (each child
+of an ``nn.ModuleList``) becomes one FSDP unit, then every top-level submodule of the
+LightningModule. Parameters are stored as dp-sharded DTensors (the fp32 master shards),
+gradients are reduce-scattered into dp-sharded DTensors, and the user's optimizer steps the
+local shards. Stage 2 keeps the all-gathered parameters from forward through backward
+(``reshard_after_forward=False``, no second all-gather); stage 3 frees them after each unit's
+forward and gathers again in backward (``reshard_after_forward=True``). Both reshard after
+backward, so between steps a rank holds 1/dp of the parameters in both stages.
 """
 
 from __future__ import annotations
@@ -29,6 +40,67 @@ def wrap_data_parallel(
     return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh["dp"].get_group(), **kwargs)
 
 
+def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Transformer blocks (children of any ``nn.ModuleList``) that own parameters, innermost first."""
+    units = []
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.ModuleList):
+            units.extend(child for child in sub if any(True for _ in child.parameters()))
+    return units
+
+
+def fully_shard_data_parallel(
+    module: torch.nn.Module,
+    mesh: DeviceMesh,
+    zero_stage: int,
+    param_dtype: Optional[torch.dtype] = None,
+) -> torch.nn.Module:
+    """Apply FSDP2 over ``mesh["dp"]`` for ZeRO stage 2 or 3, in place; returns `module`.
+
+    `module` is the LightningModule: it is not wrapped itself (Lightning keeps calling its hooks);
+    its blocks, then each of its direct children that hold parameters, become FSDP units. With
+    `param_dtype` (bf16-mixed compute) parameters are all-gathered in that dtype while the stored
+    shards, the optimizer's master copy, stay fp32, and gradients are reduced in fp32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if zero_stage not in (2, 3):
+        raise ValueError(f"fully_shard_data_parallel is for zero_stage 2 or 3, got {zero_stage}.")
+    direct = [name for name, _ in module.named_parameters(recurse=False)]
+    if direct:
+        raise ValueError(
+            f"zero_stage={zero_stage} shards submodules, but {type(module).__name__} holds parameters directly "
+            f"({', '.join(direct)}); move them into a submodule (e.g. `self.head = nn.Linear(...)`) or use zero_stage=1."
+        )
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    kwargs = dict(mesh=mesh["dp"], reshard_after_forward=zero_stage == 3, mp_policy=mp)
+    for unit in _fsdp_units(module):
+        fully_shard(unit, **kwargs)
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+    return module
+
+
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fully_sharded(module: torch.nn.Module) -> bool:
+    return bool(fsdp_modules(module))
+
+
+def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: skip (False) or perform (True) the gradient reduce-scatter of the next backward(s).
+
+    Accumulating micro-steps then keep unsharded local gradients and communicate nothing.
+    """
+    for m in fsdp_modules(module):
+        m.set_requires_gradient_sync(enabled, recurse=False)
+
+
 def shard_optimizer_state(optimizer: Optimizer, mesh: DeviceMesh) -> Optimizer:
     """Re-create `optimizer` as a ZeroRedundancyOptimizer over the dp group (ZeRO stage 1).
 
@@ -49,6 +121,21 @@ def shard_optimizer_state(optimizer: Optimizer, mesh: DeviceMesh) -> Optimizer:
     return ZeroRedundancyOptimizer(
         groups, optimizer_class=type(optimizer), process_group=mesh["dp"].get_group(), **defaults
     )
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds right now (its dp shard under ZeRO 3)."""
+    return sum(_local_bytes(p) for p in module.parameters())
+
+
+def gradient_bytes(module: torch.nn.Module) -> int:
+    """Bytes of gradients this rank holds (its dp shard under ZeRO 2/3)."""
+    return sum(_local_bytes(p.grad) for p in module.parameters() if p.grad is not None)
 
 
 def sharded_optimizer_state_bytes(optimizer: Optimizer) -> int:

@@ -1,0 +1,167 @@
+"""ZeRO 2/3 and sharded-checkpoint hooks of `NPUHybridStrategy` (Lightning glue).
+
+A mixin that sits between `NPUHybridStrategy` and Lightning's `DDPStrategy` in the MRO, so the
+strategy's own overrides (e.g. tensor parallelism's) can wrap these with ``super()``. The parallel
+logic itself is in `lightning_npu.parallel.data` (FSDP2) and `lightning_npu.parallel.checkpoint` (DCP).
+
+Checkpoints: `trainer.save_checkpoint(path)` (and so `ModelCheckpoint`) writes a DCP directory at
+`path`, atomically; `ckpt_path=` accepts such a directory saved under any (dp, zero) layout, or a
+Lightning single-file checkpoint (zero 0/1 only).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Generator, Mapping, Optional
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+
+from lightning_npu.parallel import checkpoint as ckpt
+from lightning_npu.parallel import data as data_parallel
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class ShardedStrategyMixin:
+    """Needs the strategy attributes: parallel_config, device_mesh, lightning_module, optimizers."""
+
+    async_save: bool = False
+    _ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
+    _restored_from_file: bool = False
+
+    # ---- ZeRO 2/3 (FSDP2) -------------------------------------------------------------------
+    def _fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        # bf16 compute: gather bf16 copies of the fp32 master shards; gradients reduce in fp32
+        param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+        data_parallel.fully_shard_data_parallel(model, self.device_mesh, self.parallel_config.zero_stage, param_dtype)
+        # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
+        model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
+        return model
+
+    def _is_fully_sharded(self) -> bool:
+        module = self.lightning_module
+        return module is not None and data_parallel.is_fully_sharded(module)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """Accumulating micro-steps: no gradient communication (DDP `no_sync`, FSDP2 `requires_gradient_sync`)."""
+        if self._is_fully_sharded():
+            data_parallel.set_gradient_sync(self.lightning_module, False)
+            try:
+                yield None
+            finally:
+                data_parallel.set_gradient_sync(self.lightning_module, True)
+        else:
+            with super().block_backward_sync():
+                yield None
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _writer(self) -> ckpt.ShardedCheckpointWriter:
+        if self._ckpt_writer is None:
+            self._ckpt_writer = ckpt.ShardedCheckpointWriter(async_save=self.async_save)
+        return self._ckpt_writer
+
+    def _sharded_checkpoints(self) -> bool:
+        # tensor parallelism (strategy.py) saves consolidated single-file checkpoints for now
+        tp_active = getattr(self, "_tp_active", None)
+        return not (tp_active is not None and tp_active())
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded state loads into the wrapped/sharded model and the already created (ZeRO) optimizers
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        # DCP checkpoints restore optimizers in `load_checkpoint`; single files through Lightning
+        return self._restored_from_file
+
+    def layout(self) -> dict[str, Any]:
+        cfg = self.parallel_config
+        return {
+            "format": ckpt.FORMAT_VERSION,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            "data_parallel_size": cfg.resolved_dp,
+            "zero_stage": cfg.zero_stage,
+            "world_size": self.world_size,
+        }
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._sharded_checkpoints():
+            return super().lightning_module_state_dict()
+        return ckpt.model_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._sharded_checkpoints():
+            return super().optimizer_state(optimizer)
+        return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._sharded_checkpoints():
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: sharded "
+                "checkpoints are written with torch.distributed.checkpoint, not the CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        token = self.broadcast(ckpt.new_token())
+        checkpoint = dict(checkpoint)
+        tensors = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        checkpoint["lightning_npu"] = self.layout()
+        self._writer().save(tensors, checkpoint, path, token, self.is_global_zero, self.barrier)
+
+    def finalize_checkpoints(self) -> None:
+        """Wait for (and commit) an async save still in flight. Collective."""
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.finalize(self.barrier)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.finalize_checkpoints()
+        path = ckpt.resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        self._restored_from_file = path.is_file()
+        if self._restored_from_file:
+            if self._is_fully_sharded() and self.optimizers:
+                raise NotImplementedError(
+                    f"{str(path)!r} is a single-file checkpoint; resuming one under zero_stage="
+                    f"{self.parallel_config.zero_stage} is not supported. Resume it with zero_stage 0 or 1 and save "
+                    "again (a sharded directory), which then loads under any stage."
+                )
+            return super().load_checkpoint(path, weights_only=weights_only)
+        module = self.lightning_module
+        return ckpt.load_sharded(
+            path,
+            module,
+            [_unwrap(o) for o in self.optimizers],
+            strict=module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._restored_from_file:
+            return  # loaded by `load_checkpoint`
+        if self._is_fully_sharded():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(
+                self.lightning_module, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict)
+            )
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._restored_from_file:
+            super().load_optimizer_state_dict(checkpoint)
+
+    def teardown(self) -> None:
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.finalize()  # no collective here: teardown also runs after exceptions
+        super().teardown()

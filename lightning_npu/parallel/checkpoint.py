@@ -1,0 +1,322 @@
+"""Sharded, atomic, reshardable checkpoints with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is a directory (the path Lightning's `ModelCheckpoint` names, e.g.
+``epoch=0-step=3.ckpt/``) holding:
+
+* DCP's shard files (``__<rank>_0.distcp``) and ``.metadata``: every rank writes the tensors it
+  owns; replicated tensors (ZeRO 0/1 parameters) are written once (DCP's de-duplication);
+* ``meta.pt`` (rank 0): everything else Lightning puts in a checkpoint (epoch, global step,
+  loops, callbacks, LR schedulers, precision/loss-scaler state, hyper-parameters) plus our
+  ``"lightning_npu"`` entry: format version and the layout it was saved under.
+
+The tensor keys do not depend on the layout, which is what makes resharding work:
+
+* ``state_dict.<fqn>``: the LightningModule's `state_dict` keys (DTensors for ZeRO 3 / TP);
+* ``optimizer_<i>.state.<fqn>.<name>`` and ``optimizer_<i>.param_groups.<fqn>.<hparam>``: the
+  flattened form of `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`. Under
+  ZeRO 1 each rank contributes the parameters it owns; under ZeRO 2/3 every rank its shards.
+
+Loading builds the same keys for the *current* layout and lets DCP read the needed slices.
+Names and directory layout match Lightning's `ModelParallelStrategy` (``meta.pt``,
+``state_dict``, ``optimizer_<i>``).
+
+Atomicity: everything is written to a hidden sibling ``.<name>.tmp-<token>``; rank 0 renames it
+to the final name only after DCP reports every rank's write finished. Overwriting an existing
+checkpoint renames the old one aside first and deletes it after the new one is in place, and a
+loader falls back to that aside copy if a crash struck between the two renames.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`
+FORMAT_VERSION = 1
+MODEL_KEY = "state_dict"
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_PathLike = Union[str, Path]
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint's tensors do not fit the model/optimizer being restored; names the keys."""
+
+
+# ---- layout-independent state dicts ----------------------------------------------------------
+def _local_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer that holds this rank's state (ZeRO-1: the inner optimizer of owned params)."""
+    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    return inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
+
+
+def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's state dict as this rank holds it: DTensor shards under ZeRO 3 / TP."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
+
+
+def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 partition or its FSDP shards)."""
+    return get_optimizer_state_dict(module, _local_optimizer(optimizer), options=_OPTIM_OPTIONS)
+
+
+def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+    local = _local_optimizer(optimizer)
+    set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(inner, ZeroRedundancyOptimizer):
+        # ZeRO copies its global groups' hyper-parameters (lr, ...) into the local optimizer every
+        # step: make the restored values the global ones (groups that own no local param keep theirs).
+        for glob, loc in zip(inner.param_groups, local.param_groups):
+            if loc["params"]:
+                glob.update({k: v for k, v in loc.items() if k != "params"})
+
+
+# ---- paths ------------------------------------------------------------------------------------
+def is_sharded_checkpoint(path: _PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META_FILENAME).is_file()
+
+
+def temp_path(final: _PathLike, token: str) -> Path:
+    final = Path(final)
+    return final.parent / f".{final.name}.tmp-{token}"
+
+
+def _aside_path(final: Path, token: str) -> Path:
+    return final.parent / f".{final.name}.old-{token}"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def resolve_checkpoint_path(path: _PathLike) -> Path:
+    """`path`, or the complete copy set aside by an overwrite that crashed before its final rename."""
+    path = Path(path)
+    if path.exists():
+        return path
+    aside = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for candidate in aside:
+        if is_sharded_checkpoint(candidate):
+            log.warning(f"Checkpoint {path} is missing; loading {candidate}, set aside by an interrupted overwrite.")
+            return candidate
+    raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+
+
+def commit(tmp: Path, final: Path, token: str) -> None:
+    """Rank 0, after every rank finished writing `tmp`: make it `final` (the previous one survives a crash)."""
+    aside = None
+    if final.is_symlink() or final.is_file():
+        final.unlink()
+    elif final.exists():
+        aside = _aside_path(final, token)
+        final.rename(aside)
+    tmp.rename(final)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+# ---- writer -----------------------------------------------------------------------------------
+class ShardedCheckpointWriter:
+    """Writes DCP checkpoints atomically, synchronously or in a background thread (`async_save=True`).
+
+    An async save stages a CPU copy of the shards before returning, so training can go on
+    mutating parameters; it is committed (renamed into place) by `finalize()`, which runs before
+    the next save or load and at teardown.
+    """
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._pending: Optional[tuple[Future, Path, Path, str, bool]] = None
+        self._async_group: Optional[Any] = None
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def _group(self) -> Optional[Any]:
+        if not self.async_save or not dist.is_initialized():
+            return None
+        if self._async_group is None:
+            # the background thread's collectives must not share a group with the training step's
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def save(
+        self,
+        tensors: dict[str, Any],
+        meta: dict[str, Any],
+        final: _PathLike,
+        token: str,
+        is_rank0: bool,
+        barrier: Any,
+    ) -> None:
+        """Collective. `token` must be the same on every rank (broadcast it); `barrier()` syncs ranks."""
+        self.finalize()
+        final = Path(final)
+        tmp = temp_path(final, token)
+        if is_rank0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            torch.save(meta, tmp / META_FILENAME)
+        barrier()
+        writer = FileSystemWriter(tmp)
+        if self.async_save:
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group())
+            self._pending = (future, tmp, final, token, is_rank0)
+            return
+        dcp.save(tensors, storage_writer=writer)  # raises on every rank if any rank's write failed
+        if is_rank0:
+            commit(tmp, final, token)
+        barrier()
+
+    def finalize(self, barrier: Optional[Any] = None) -> None:
+        """Wait for an async save and commit it. Safe without `barrier` (teardown, after errors)."""
+        if self._pending is None:
+            return
+        future, tmp, final, token, is_rank0 = self._pending
+        self._pending = None
+        # DCP resolves every rank's future only after the coordinator wrote `.metadata`, i.e. after
+        # all ranks' shards are on disk, so rank 0 may commit without another collective.
+        result = future.result()
+        if hasattr(result, "upload_completion"):  # AsyncSaveResponse (newer torch)
+            result.upload_completion.result()
+        if is_rank0:
+            commit(tmp, final, token)
+        if barrier is not None:
+            barrier()
+
+
+# ---- reader -----------------------------------------------------------------------------------
+def read_meta(path: _PathLike, weights_only: bool = False) -> dict[str, Any]:
+    return torch.load(Path(path) / META_FILENAME, map_location="cpu", weights_only=weights_only)
+
+
+def checkpoint_tensor_metadata(path: _PathLike) -> dict[str, Any]:
+    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def _describe(keys: Iterable[str], limit: int = 12) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def check_model_keys(stored: dict[str, Any], expected: dict[str, Any], path: _PathLike, strict: bool) -> dict:
+    """Compare the checkpoint's model entries with the module's; raise naming the keys that differ."""
+    prefix = MODEL_KEY + "."
+    ckpt = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
+    missing = set(expected) - set(ckpt)
+    unexpected = set(ckpt) - set(expected)
+    shapes = [
+        f"{k}: checkpoint {tuple(ckpt[k].size)} vs model {tuple(expected[k].shape)}"
+        for k in set(expected) & set(ckpt)
+        if isinstance(ckpt[k], TensorStorageMetadata) and tuple(ckpt[k].size) != tuple(expected[k].shape)
+    ]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {_describe(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys (in the checkpoint, not in the model): {_describe(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatches: {_describe(shapes)}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"The checkpoint {str(path)!r} does not match the model: " + "; ".join(problems)
+            + ". Load it into the model it was saved from (same architecture and hyper-parameters)"
+            + ", or set `LightningModule.strict_loading = False` to skip missing/unexpected keys."
+        )
+    return {k: v for k, v in expected.items() if k in ckpt}
+
+
+def check_optimizer_keys(stored: dict[str, Any], expected: dict[str, Any], index: int, path: _PathLike) -> None:
+    prefix = f"optimizer_{index}."
+    ckpt = {k[len(prefix):] for k in stored if k.startswith(prefix)}
+    if not ckpt:
+        raise CheckpointMismatchError(
+            f"The checkpoint {str(path)!r} holds no state for optimizer {index} (saved with weights_only=True, or "
+            "with fewer optimizers); resume from a full checkpoint or load only the weights."
+        )
+    missing_state = sorted(k for k in expected if k not in ckpt and k.startswith("state."))
+    if missing_state:
+        raise CheckpointMismatchError(
+            f"The checkpoint {str(path)!r} does not match optimizer {index} ({len(missing_state)} state entries "
+            f"missing: {_describe(missing_state)}); was it saved with another optimizer type or other parameters?"
+        )
+    # hyper-parameters the checkpoint lacks (e.g. `initial_lr` of a newly added scheduler) keep their values
+    for k in [k for k in expected if k not in ckpt]:
+        del expected[k]
+
+
+def load_sharded(
+    path: _PathLike,
+    module: torch.nn.Module,
+    optimizers: list[Optimizer],
+    strict: bool = True,
+    weights_only: bool = False,
+) -> dict[str, Any]:
+    """Collective: restore `module` (and `optimizers`, if any) from a DCP checkpoint saved under any layout.
+
+    Returns the checkpoint's non-tensor part (meta.pt), for Lightning to restore loops, callbacks, schedulers.
+    """
+    path = resolve_checkpoint_path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
+    stored = checkpoint_tensor_metadata(path)
+    model_sd = check_model_keys(stored, model_state_dict(module), path, strict)
+    tensors: dict[str, Any] = {MODEL_KEY: model_sd}
+    for i, optimizer in enumerate(optimizers):
+        osd = optimizer_state_dict(module, optimizer)
+        check_optimizer_keys(stored, osd, i, path)
+        tensors[f"optimizer_{i}"] = osd
+    dcp.load(tensors, storage_reader=FileSystemReader(str(path)))
+    set_model_state_dict(module, tensors[MODEL_KEY], options=StateDictOptions(strict=False))
+    for i, optimizer in enumerate(optimizers):
+        load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"])
+    return read_meta(path, weights_only=weights_only)
+
+
+# ---- consolidation (offline, one process) ------------------------------------------------------
+def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+    """Full (unsharded) model tensors of a DCP checkpoint, read in this process without a process group."""
+    path = resolve_checkpoint_path(path)
+    stored = checkpoint_tensor_metadata(path)
+    prefix = MODEL_KEY + "."
+    template = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in stored.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
+    if not template:
+        raise CheckpointMismatchError(f"{str(path)!r} holds no model tensors (no '{MODEL_KEY}.*' entries).")
+    dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    out = {}
+    for k, v in template.items():
+        name = k[len(prefix):]
+        if strip_prefix and name.startswith(strip_prefix):
+            name = name[len(strip_prefix):]
+        out[name] = v
+    meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
+    return out, meta

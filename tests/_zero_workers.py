@@ -1,0 +1,272 @@
+"""Module-level workers for the ZeRO and checkpoint tests (run in real processes by `launch.spawn`).
+
+One spawned process group runs several Trainers in sequence: the process start-up and imports
+(most of a tiny run's cost on CPU) are paid once per test module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import lightning_npu  # noqa: F401
+from examples.gpt.data import TextDataModule
+from examples.gpt.model import GPTModule
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel import checkpoint as ckpt
+from lightning_npu.parallel import data as data_parallel
+from tests._gpt_workers import SMALL_GPT
+
+
+class OptGPT(GPTModule):
+    """The example GPT with a choice of optimizer: AdamW + warmup (the example's), SGD+momentum+StepLR, fused Adam."""
+
+    def __init__(self, optimizer: str = "adamw", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return super().configure_optimizers()
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.optimizer_name == "adam_fused":
+            return torch.optim.Adam(self.parameters(), lr=3e-3, eps=1e-5, fused=True)
+        raise ValueError(self.optimizer_name)
+
+
+def _bytes(tensors) -> int:
+    return sum(data_parallel._local_bytes(t) for t in tensors)
+
+
+class Probe(L.Callback):
+    """Losses, per-rank tensor bytes and FSDP reduce-scatter calls per micro-step."""
+
+    def __init__(self) -> None:
+        self.logged: list[float] = []
+        self.param_bytes_rest: list[int] = []
+        self.param_bytes_fwd: list[int] = []
+        self.grad_bytes: list[int] = []
+        self.optim_bytes: list[int] = []
+        self.reduce_scatters: list[int] = []
+        self.lr: list[float] = []
+        self._rs = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+        originals = {n: getattr(dist, n) for n in names}
+
+        def wrap(fn):
+            def counted(*a, **k):
+                self._rs += 1
+                return fn(*a, **k)
+
+            return counted
+
+        for n in names:
+            setattr(dist, n, wrap(originals[n]))
+        try:
+            yield
+        finally:
+            for n in names:
+                setattr(dist, n, originals[n])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._rs = 0
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # what forward left allocated for backward: ZeRO 2 keeps the gathered parameters, ZeRO 3 freed them
+        self.param_bytes_fwd.append(_bytes(pl_module.parameters()))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grad_bytes.append(_bytes(p.grad for p in pl_module.parameters() if p.grad is not None))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.reduce_scatters.append(self._rs)
+        if "train_loss" in trainer.callback_metrics:
+            self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.param_bytes_rest.append(data_parallel.parameter_bytes(pl_module))
+        self.optim_bytes.append(data_parallel.sharded_optimizer_state_bytes(trainer.strategy.optimizers[0]))
+        self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+def full_params(pl_module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank gets the full (unsharded) tensors: collective."""
+    sd = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone().cpu() for k, v in sd.items()}
+
+
+def full_optimizer_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """`state.<fqn>.<name>` -> full tensor, gathered from every rank's shard/partition: collective."""
+    osd = ckpt.optimizer_state_dict(trainer.lightning_module, trainer.strategy.optimizers[0])
+    local = {}
+    for k, v in osd.items():
+        if k.startswith("state.") and isinstance(v, torch.Tensor):
+            local[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().cpu()
+    if not dist.is_initialized():
+        return local
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def _trainer(devices, strategy, steps, callbacks, accumulate=1, ckpt_dir=None, every=3, limit_train_batches=None):
+    if ckpt_dir is not None:
+        callbacks = callbacks + [
+            L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)
+        ]
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
+        accumulate_grad_batches=accumulate,
+    )
+
+
+def run(
+    devices: int,
+    zero_stage: int,
+    steps: int,
+    optimizer: str = "adamw",
+    accumulate: int = 1,
+    global_batch: int = 8,
+    ckpt_dir: Optional[str] = None,
+    ckpt_in: Optional[str] = None,
+    model_kwargs: Optional[dict] = None,
+    async_save: bool = False,
+    with_optimizer_state: bool = False,
+) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    strategy = NPUHybridStrategy(zero_stage=zero_stage, async_save=async_save)
+    model = OptGPT(optimizer=optimizer, **{**SMALL_GPT, "warmup_steps": 3, **(model_kwargs or {})})
+    probe = Probe()
+    restored: dict[str, Any] = {}
+
+    class Restored(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            if ckpt_in is not None:
+                restored["params"] = full_params(pl_module)
+                restored["optim"] = full_optimizer_state(trainer)
+                restored["step"] = trainer.global_step
+
+    trainer = _trainer(devices, strategy, steps, [probe, Restored()], accumulate, ckpt_dir, limit_train_batches=200)
+    data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=global_batch // devices, shuffle=False)
+    with probe.counting():
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
+    out = {
+        "logged": probe.logged,
+        "param_bytes_rest": probe.param_bytes_rest,
+        "param_bytes_fwd": probe.param_bytes_fwd,
+        "grad_bytes": probe.grad_bytes,
+        "optim_bytes": probe.optim_bytes,
+        "reduce_scatters": probe.reduce_scatters,
+        "lr": probe.lr,
+        "optimizer": type(trainer.strategy.optimizers[0]).__name__,
+        "global_step": trainer.global_step,
+        "params": full_params(model),
+        "restored": restored,
+    }
+    if with_optimizer_state:
+        out["optim"] = full_optimizer_state(trainer)
+    return out
+
+
+def _world() -> int:
+    # Lightning's environment deletes WORLD_SIZE at teardown; the next Trainer of this process needs it
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    os.environ["WORLD_SIZE"] = str(world)
+    return world
+
+
+def run_many(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [run(_world(), **c) for c in configs]
+
+
+# ---- checkpoint scenarios ------------------------------------------------------------------------
+class FailingWrite(Exception):
+    pass
+
+
+def _fail_writes():
+    """Make DCP's file writer raise after its first shard file started: a crash half-way through a save."""
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._write_files_from_queue
+
+    def broken(*args, **kwargs):
+        raise FailingWrite("injected failure inside the checkpoint writer")
+
+    filesystem._write_files_from_queue = broken
+    return lambda: setattr(filesystem, "_write_files_from_queue", original)
+
+
+def crash_and_mismatch(tmp: str) -> dict[str, Any]:
+    """Save P, change the weights, crash while overwriting P; P must still hold the first weights.
+
+    Then load P into models of another shape: the errors must name the keys.
+    """
+    world = _world()
+    tmp_path = Path(tmp)
+    L.seed_everything(0, verbose=False)
+    model = OptGPT(**SMALL_GPT)
+    trainer = _trainer(world, NPUHybridStrategy(zero_stage=3), 2, [])
+    data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=4 // world, shuffle=False)
+    trainer.fit(model, datamodule=data)
+    good = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(good)
+    saved = full_params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    restore = _fail_writes()
+    error = None
+    try:
+        trainer.save_checkpoint(good)
+    except Exception as err:  # DCP re-raises the failing rank's error on every rank
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        restore()
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+
+    # the previous checkpoint loads, under another layout (zero 1), with the weights it was saved with
+    _world()
+    L.seed_everything(1, verbose=False)
+    fresh = OptGPT(**SMALL_GPT)
+    t2 = _trainer(world, NPUHybridStrategy(zero_stage=1), 2, [])
+    t2.fit(fresh, datamodule=data, ckpt_path=str(good))  # max_steps already reached: restore only
+    loaded = full_params(fresh)
+
+    errors = {}
+    for name, kwargs in {"fewer_layers": {"n_layer": 1}, "more_layers": {"n_layer": 3}, "wider": {"n_embd": 48}}.items():
+        _world()
+        other = OptGPT(**{**SMALL_GPT, **kwargs})
+        t3 = _trainer(world, NPUHybridStrategy(zero_stage=0), 3, [])
+        try:
+            t3.fit(other, datamodule=data, ckpt_path=str(good))
+            errors[name] = None
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+    return {"error": error, "leftovers": leftovers, "saved": saved, "loaded": loaded, "errors": errors}
