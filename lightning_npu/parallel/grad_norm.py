@@ -1,0 +1,142 @@
+"""Global gradient norm, clipping and the all-reduced overflow decision.
+
+Under hybrid parallelism a parameter's gradient can be replicated (DDP, ZeRO-1, a LayerNorm under
+tensor parallelism), sharded (a DTensor with ``Shard`` placements under TP or FSDP2/ZeRO-2/3) or
+owned by one pipeline stage. The global L2 norm must count every element exactly once:
+
+* plain tensors are treated as replicated over ``dp`` and ``tp`` and owned by this pipeline stage;
+* a DTensor's (or a local tensor-parallel shard's: a parameter carrying the ``_lnpu_tp`` shard
+  spec that `lightning_npu.parallel.tensor.localize_parameters` attaches) local squared sum is all-reduced over exactly the mesh dims it is *sharded* on
+  (``Replicate`` dims are not reduced, so replicas are not double-counted; pending ``Partial``
+  gradients are reduced first);
+* the per-stage sums are then all-reduced over the ``pp`` group (stages hold disjoint parameters).
+
+Everything is accumulated in fp32. The overflow check is one MAX all-reduce over WORLD, so every
+rank takes the same skip/step decision (a per-rank decision deadlocks sharded optimizers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # DTensor is public from torch 2.5
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    Replicate = None  # type: ignore[assignment,misc]
+
+
+def _is_dtensor(t: object) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The part of `t` this rank holds (the tensor itself unless it is a DTensor)."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def sharding_of(p: Tensor) -> Optional[tuple[object, tuple]]:
+    """(mesh, placements) of a DTensor or of a localized tensor-parallel shard; None for plain tensors."""
+    if _is_dtensor(p):
+        return p.device_mesh, tuple(p.placements)
+    spec = getattr(p, "_lnpu_tp", None)
+    if spec is not None:
+        return spec.mesh, tuple(spec.placements)
+    return None
+
+
+def _reduced_placements(grad: Tensor) -> Tensor:
+    if any(p.is_partial() for p in grad.placements):
+        grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad
+
+
+def global_grad_norm(
+    parameters: Iterable[Tensor],
+    pp_group: Optional[dist.ProcessGroup] = None,
+) -> Tensor:
+    """The L2 norm of all gradients of `parameters` over every rank, in fp32, each element counted once.
+
+    Every rank of a tensor-parallel / data-parallel (FSDP) group must call this with the same
+    parameters in the same order (as optimizers hold them); a parameter without a gradient counts 0.
+    """
+    # key: None for plain tensors, else (mesh, sharded mesh dims); dict keeps first-seen order on every rank
+    parameters = list(parameters)
+    buckets: dict[object, list[Tensor]] = {}
+    meshes: dict[object, tuple] = {}
+    device: Optional[torch.device] = None
+    for p in parameters:
+        g = p.grad
+        sharding = sharding_of(p)
+        if sharding is not None:
+            mesh, placements = sharding
+            shard_dims = tuple(i for i, pl in enumerate(placements) if pl.is_shard())
+            key = (id(mesh), shard_dims) if shard_dims else None
+            if key is not None:
+                meshes[key] = (mesh, shard_dims)
+        else:
+            key = None
+        bucket = buckets.setdefault(key, [])
+        if g is None:
+            continue
+        if _is_dtensor(g):
+            g = _reduced_placements(g).to_local()
+        device = g.device if device is None else device
+        bucket.append(g)
+    if device is None:
+        device = next((local_tensor(p).device for p in parameters), torch.device("cpu"))
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for key, grads in buckets.items():
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            sq = sq + torch.stack([n.to(device) for n in norms]).square().sum()
+        if key is not None:
+            mesh, shard_dims = meshes[key]
+            for dim in shard_dims:
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total_sq = total_sq + sq
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_grads_by_total_norm_(parameters: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
+    """Scale gradients by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's `clip_grad_norm_` rule)."""
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for (device, dtype), group in _group_by_device_dtype(grads).items():
+        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+
+def _group_by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def unscale_and_check_(grads: Iterable[Tensor], inv_scale: float, device: torch.device) -> Tensor:
+    """Multiply local gradients by `inv_scale` in place; returns this rank's found-inf flag (1.0/0.0, fp32)."""
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    for (dev, _), group in _group_by_device_dtype(local_tensor(g) for g in grads).items():
+        flag = torch.zeros(1, dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            group, flag, torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
+        )
+        found_inf = torch.maximum(found_inf, flag.to(device))
+    return found_inf
+
+
+def all_ranks_found_inf(found_inf: Tensor) -> bool:
+    """One MAX all-reduce over WORLD: True when any rank saw inf/nan. Every rank must call this."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return bool(found_inf.item() > 0)

@@ -1,0 +1,125 @@
+"""Module-level workers for the precision tests (run in real processes by `lightning_npu.launch.spawn`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+import lightning_npu  # noqa: F401
+from examples.gpt.data import TextDataModule
+from examples.gpt.model import GPTModule
+from lightning_npu import HybridPrecision, NPUHybridStrategy
+
+# as in tests/_gpt_workers.py: bias=False and eps=1e-5 keep fp32 parity at rtol 1e-5 (see there)
+TINY_GPT = dict(
+    n_layer=2, n_head=4, n_embd=32, block_size=32, learning_rate=3e-3, weight_decay=0.1, bias=False, eps=1e-5
+)
+
+
+class Recorder(L.Callback):
+    """Per optimizer step: logged metrics, LR, scheduler counter, and (optionally) a parameter snapshot."""
+
+    def __init__(self, snapshot_params: bool = False, inject_inf_at: tuple[int, ...] = (), inject_rank: int = 1,
+                 grad_norm_reference: bool = False) -> None:
+        self.snapshot_params = snapshot_params
+        self.inject_inf_at = set(inject_inf_at)
+        self.inject_rank = inject_rank
+        self.grad_norm_reference = grad_norm_reference
+        self.rows: list[dict[str, Any]] = []
+        self.ref_norms: list[float] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # after DDP's all-reduce: only this rank's gradient holds the inf
+        if trainer.global_step in self.inject_inf_at and trainer.global_rank == self.inject_rank:
+            p = next(p for p in pl_module.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = float("inf")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.grad_norm_reference:  # torch's own total norm of the (unclipped, unscaled) gradients
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.ref_norms.append(float(torch.nn.utils.get_total_norm(grads, 2.0)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = trainer.callback_metrics
+        row: dict[str, Any] = {
+            "loss": float(outputs["loss"].detach()),
+            "train_loss": float(m["train_loss"]) if "train_loss" in m else None,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        }
+        for key in ("loss_scale", "skipped_steps", "grad_norm"):
+            row[key] = float(m[key]) if key in m else None
+        if trainer.lr_scheduler_configs:
+            row["sched_last_epoch"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+        if self.snapshot_params:
+            row["params"] = {k: v.detach().float().clone() for k, v in pl_module.state_dict().items()}
+        self.rows.append(row)
+
+
+def train(
+    devices: int,
+    steps: int,
+    precision: Any = "32-true",
+    global_batch: int = 8,
+    strategy_kwargs: Optional[dict[str, Any]] = None,
+    model_kwargs: Optional[dict[str, Any]] = None,
+    plugin_kwargs: Optional[dict[str, Any]] = None,
+    gradient_clip_val: Optional[float] = None,
+    recorder_kwargs: Optional[dict[str, Any]] = None,
+    ckpt_dir: Optional[str] = None,
+    ckpt_every: int = 3,
+    ckpt_in: Optional[str] = None,
+    reference_strategy: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Train the tiny GPT. `reference_strategy=True` uses Lightning's own single-device strategy (no lightning-npu)."""
+    L.seed_everything(seed, verbose=False)
+    model = GPTModule(**{**TINY_GPT, **(model_kwargs or {})})
+    recorder = Recorder(**(recorder_kwargs or {}))
+    callbacks: list[L.Callback] = [recorder]
+    if ckpt_dir is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every,
+                                                             save_top_k=-1))
+    kwargs: dict[str, Any] = {}
+    if reference_strategy:
+        kwargs.update(strategy="auto", precision=precision)
+        dp = 1
+    else:
+        strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
+        kwargs["strategy"] = strategy
+        if plugin_kwargs is not None:
+            kwargs["plugins"] = [HybridPrecision(precision, **plugin_kwargs)]
+        else:
+            kwargs["precision"] = precision
+        cfg = strategy.parallel_config
+        dp = devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=global_batch // dp, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        gradient_clip_val=gradient_clip_val,
+        deterministic=True,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
+    plugin = trainer.precision_plugin
+    return {
+        "rows": recorder.rows,
+        "ref_norms": recorder.ref_norms,
+        "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "plugin": type(plugin).__name__,
+        "scaler": plugin.scaler.state_dict() if getattr(plugin, "scaler", None) is not None else None,
+        "global_step": trainer.global_step,
+        "rank": trainer.global_rank,
+        "pid": os.getpid(),
+    }
