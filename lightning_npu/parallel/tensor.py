@@ -178,6 +178,7 @@ class Rowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not _is_conv1d(module):
             return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module,
             device_mesh,
