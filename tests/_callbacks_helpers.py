@@ -34,6 +34,7 @@ class StepSeeded(L.LightningModule):
         kill_rank: int = 1,
         kill_flag: Optional[str] = None,
         lr_schedule: bool = False,
+        none_at: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -44,6 +45,7 @@ class StepSeeded(L.LightningModule):
         self.signal_at, self.signal_rank = signal_at, signal_rank
         self.kill_at, self.kill_rank, self.kill_flag = kill_at, kill_rank, kill_flag
         self.lr_schedule = lr_schedule
+        self.none_at = set(none_at)
         self.losses: dict[int, float] = {}
         self.param_log: dict[int, torch.Tensor] = {}
 
@@ -52,8 +54,10 @@ class StepSeeded(L.LightningModule):
         x = torch.randn(16, 8, generator=g)
         return x, x.sum(1, keepdim=True).sin()
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
         step = self.global_step
+        if step in self.none_at:  # Lightning's own way to skip a step: the reference for a skipped step
+            return None
         if self.raise_at == step and (self.raise_flag is None or not Path(self.raise_flag).exists()):
             if self.raise_flag is not None:
                 Path(self.raise_flag).touch()
@@ -107,3 +111,26 @@ def trainer_kwargs(root: str | Path, max_steps: int, **extra: Any) -> dict[str, 
     )
     kw.update(extra)
     return kw
+
+
+class KillingCheckpointIO:
+    """Checkpoint IO that dies (SIGKILL) half way through writing the checkpoint of one step."""
+
+    def __new__(cls, kill_at_step: int):  # built lazily so that importing the helpers stays cheap
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        class _Killing(TorchCheckpointIO):
+            def save_checkpoint(self, checkpoint, path, storage_options=None):
+                if checkpoint.get("global_step") != kill_at_step:
+                    return super().save_checkpoint(checkpoint, path, storage_options)
+                import io
+
+                buf = io.BytesIO()
+                torch.save(checkpoint, buf)
+                with open(path, "wb") as f:
+                    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return _Killing()

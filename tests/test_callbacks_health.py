@@ -1,0 +1,92 @@
+"""GradientHealthGuard on a single device: skip, warn, rollback, stop, logging, arguments."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_npu.callbacks import DynamicCheckpoint, GradientHealthGuard
+from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
+
+
+def _fit(tmp_path, max_steps, callbacks, **module_kw):
+    model = StepSeeded(**module_kw)
+    trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs(tmp_path, max_steps))
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_default_guard_skips_nan_step_like_a_skipped_step(tmp_path):
+    guard = GradientHealthGuard()
+    model, trainer = _fit(tmp_path / "a", 8, [guard], nan_at=(3,))
+    # the parameters did not move at step 3, and training went on
+    torch.testing.assert_close(model.param_log[4], model.param_log[3], rtol=0, atol=0)
+    assert not torch.equal(model.param_log[5], model.param_log[4])
+    assert trainer.global_step == 8 and torch.isfinite(flat_params(model)).all()
+    assert [e["action"] for e in guard.events if e["action"] != "warn"] == ["skip"]
+    # bit-identical to Lightning's own skipped step (training_step returning None) without a guard
+    ref, _ = _fit(tmp_path / "ref", 8, [], none_at=(3,))
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=0, atol=0)
+    # and without any guard, the NaN reaches the weights (the test can fail)
+    bad, _ = _fit(tmp_path / "bad", 5, [], nan_at=(3,))
+    assert not torch.isfinite(flat_params(bad)).all()
+
+
+def test_warn_changes_nothing_and_metrics_reach_loggers(tmp_path, caplog):
+    guard = GradientHealthGuard(grad_norm_range=(0.0, 1e-9), update_ratio_every=1, update_ratio_target=1e-5)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.callbacks.health"):
+        model, trainer = _fit(tmp_path / "a", 5, [guard])
+    ref, _ = _fit(tmp_path / "ref", 5, [])
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=0, atol=0)
+    assert "grad_norm expected (0.0, 1e-09)" in caplog.text
+    metrics = trainer.callback_metrics
+    for key in ("health/grad_norm", "health/grad_variance", "health/loss", "health/update_ratio"):
+        assert key in metrics, key
+    # the logged statistics are the real ones: the last update ratio and loss, recomputed here
+    before, after = model.param_log[4], flat_params(model)
+    expected_ratio = ((after - before).norm() / before.norm()).item()
+    assert metrics["health/update_ratio"].item() == pytest.approx(expected_ratio, rel=1e-5)
+    assert metrics["health/loss"].item() == pytest.approx(model.losses[4], rel=1e-6)
+
+
+def test_rollback_restores_last_checkpoint_and_scales_lr(tmp_path):
+    ck = DynamicCheckpoint(dirpath=str(tmp_path / "ck"), phase_fractions=(), intervals=(3,), keep_last_k=None)
+    guard = GradientHealthGuard(nonfinite_action="rollback", rollback_lr_factor=0.5)
+    model, trainer = _fit(tmp_path, 8, [ck, guard], nan_at=(5,))
+    saved = torch.load(tmp_path / "ck" / "step=00000003.ckpt", weights_only=False)
+    at3 = torch.cat([v.flatten() for v in saved["state_dict"].values()])
+    assert not torch.equal(model.param_log[5], at3)  # steps 3 and 4 had moved the weights
+    torch.testing.assert_close(model.param_log[6], at3, rtol=0, atol=0)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
+    assert trainer.global_step == 8 and torch.isfinite(flat_params(model)).all()
+    assert [e["action"] for e in guard.events if e["action"] != "warn"] == ["rollback"]
+
+
+def test_persistent_nan_escalates_to_rollback_then_stop(tmp_path):
+    ck = DynamicCheckpoint(dirpath=str(tmp_path / "ck"), phase_fractions=(), intervals=(2,), keep_last_k=None)
+    guard = GradientHealthGuard(escalate_after=2, max_rollbacks=1, rollback_lr_factor=0.5)
+    model, trainer = _fit(tmp_path, 30, [ck, guard], nan_from=5, lr_schedule=True)
+    assert [e["action"] for e in guard.events if e["action"] != "warn"] == ["skip", "rollback", "skip", "stop"]
+    assert trainer.global_step == 9 and guard.stop_reason is not None and "nonfinite" in guard.stop_reason
+    # no NaN ever reached the weights; they are those of the last good step (4)
+    torch.testing.assert_close(flat_params(model), model.param_log[5], rtol=0, atol=0)
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(0.025)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(nonfinite_action="explode"), "nonfinite_action='explode'"),
+        (dict(update_ratio_action="skip"), "update_ratio_action='skip'"),
+        (dict(grad_norm_range=(10, 1)), r"grad_norm_range=\(10, 1\)"),
+        (dict(grad_norm_range=5), "grad_norm_range=5"),
+        (dict(rollback_lr_factor=2.0), "rollback_lr_factor=2.0"),
+        (dict(escalate_after=0), "escalate_after=0"),
+    ],
+)
+def test_bad_arguments_name_argument_and_value(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        GradientHealthGuard(**kwargs)
