@@ -158,6 +158,7 @@ def run(
     model_kwargs: Optional[dict] = None,
     async_save: bool = False,
     with_optimizer_state: bool = False,
+    limit_train_batches: int = 200,
 ) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     strategy = NPUHybridStrategy(zero_stage=zero_stage, async_save=async_save)
@@ -172,7 +173,9 @@ def run(
                 restored["optim"] = full_optimizer_state(trainer)
                 restored["step"] = trainer.global_step
 
-    trainer = _trainer(devices, strategy, steps, [probe, Restored()], accumulate, ckpt_dir, limit_train_batches=200)
+    trainer = _trainer(
+        devices, strategy, steps, [probe, Restored()], accumulate, ckpt_dir, limit_train_batches=limit_train_batches
+    )
     data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=global_batch // devices, shuffle=False)
     with probe.counting():
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)

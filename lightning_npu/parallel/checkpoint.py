@@ -32,8 +32,9 @@ import logging
 import shutil
 import uuid
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,22 @@ def _local_optimizer(optimizer: Optimizer) -> Optimizer:
     return inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
 
 
+@contextmanager
+def _nonempty_groups(optimizer: Optimizer) -> Iterator[None]:
+    """Hide param groups without parameters (a ZeRO-1 rank may own none of a group's params), which
+    `torch.distributed.checkpoint.state_dict` cannot key by FQN; restore them afterwards in place."""
+    original = optimizer.param_groups
+    if all(group["params"] for group in original):
+        yield
+        return
+    optimizer.param_groups = [group for group in original if group["params"]]
+    try:
+        yield
+    finally:
+        updated = iter(optimizer.param_groups)  # load_state_dict replaces the group dicts
+        optimizer.param_groups = [next(updated) if group["params"] else group for group in original]
+
+
 def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     """The module's state dict as this rank holds it: DTensor shards under ZeRO 3 / TP."""
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
@@ -77,12 +94,15 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 
 def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 partition or its FSDP shards)."""
-    return get_optimizer_state_dict(module, _local_optimizer(optimizer), options=_OPTIM_OPTIONS)
+    local = _local_optimizer(optimizer)
+    with _nonempty_groups(local):
+        return get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
 
 
 def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
     local = _local_optimizer(optimizer)
-    set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
+    with _nonempty_groups(local):
+        set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
     inner = getattr(optimizer, "_optimizer", optimizer)
     if isinstance(inner, ZeroRedundancyOptimizer):
         # ZeRO copies its global groups' hyper-parameters (lr, ...) into the local optimizer every
