@@ -11,24 +11,25 @@ template <typename V>
 struct GeluConsts {
   using S = typename V::value_type;
   V half{S(0.5)}, one{S(1)}, inv_sqrt2{S(M_SQRT1_2)}, k_pdf{S(0.5 * M_2_SQRTPI * M_SQRT1_2)},
-      k_tanh{S(M_SQRT2 * M_2_SQRTPI * 0.5)}, c{S(0.044715)}, c3{S(3 * 0.044715)}, neg_half{S(-0.5)};
+      k_tanh{S(M_SQRT2 * M_2_SQRTPI * 0.5)}, c{S(0.044715)}, c3{S(3 * 0.044715)}, neg_half{S(-0.5)},
+      two_k_tanh{S(M_SQRT2 * M_2_SQRTPI)};
 };
 
 template <typename V>
 inline V gelu_f(const V& x, bool tanh_form, const GeluConsts<V>& k) {
-  if (tanh_form) {
-    V inner = k.k_tanh * (x + k.c * x * x * x);
-    return k.half * x * (k.one + inner.tanh());
+  if (tanh_form) {  // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): one exp instead of a (slower) tanh
+    V u2 = k.two_k_tanh * (x + k.c * x * x * x);
+    return x / (k.one + u2.neg().exp());
   }
   return k.half * x * (k.one + (x * k.inv_sqrt2).erf());
 }
 
 template <typename V>
 inline V gelu_grad(const V& x, bool tanh_form, const GeluConsts<V>& k) {
-  if (tanh_form) {
+  if (tanh_form) {  // with s = sigmoid(2u): 0.5 (1 + tanh u) = s and 1 - tanh(u)^2 = 4 s (1 - s)
     V x2 = x * x;
-    V t = (k.k_tanh * (x + k.c * x2 * x)).tanh();
-    return k.half * (k.one + t) + k.half * x * (k.one - t * t) * k.k_tanh * (k.one + k.c3 * x2);
+    V s = k.one / (k.one + (k.two_k_tanh * (x + k.c * x2 * x)).neg().exp());
+    return s + k.two_k_tanh * x * s * (k.one - s) * (k.one + k.c3 * x2);
   }
   V cdf = k.half * (k.one + (x * k.inv_sqrt2).erf());
   V pdf = (k.neg_half * x * x).exp() * k.k_pdf;
