@@ -23,12 +23,13 @@ class AtomicSaver:
         self._pending: list[tuple[Path, Path, dict[str, Any]]] = []
 
     def save(self, trainer: Any, final: Path, meta: dict[str, Any]) -> Path:
+        if self._pending:  # one write in flight at a time, like the strategies' own async writers
+            self.poll(trainer, wait=True)
         token = broadcast(trainer, _store.new_token())
         tmp = _store.temp_path(final, token)
         trainer.save_checkpoint(str(tmp))
-        io = getattr(trainer.strategy, "checkpoint_io", None)
         self._pending.append((tmp, final, meta))
-        if not (isinstance(io, TrackedAsyncCheckpointIO) and io.pending(tmp)):
+        if not self._async(trainer):
             self.poll(trainer, wait=True)
         return final
 
@@ -36,15 +37,27 @@ class AtomicSaver:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    @staticmethod
+    def _async(trainer: Any) -> bool:
+        """Writes may outlive `save_checkpoint`: our async IO, or a strategy with its own async writer
+        (one that exposes ``finalize_checkpoints()``, e.g. npu_hybrid's DCP writer with ``async_save=True``)."""
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        return isinstance(io, TrackedAsyncCheckpointIO) or bool(getattr(trainer.strategy, "async_save", False))
+
     def _local_done(self, trainer: Any, wait: bool) -> bool:
         io = getattr(trainer.strategy, "checkpoint_io", None)
-        if not isinstance(io, TrackedAsyncCheckpointIO):
-            return True
         if wait:
-            for tmp, _, _ in self._pending:
-                io.wait(tmp)
-            return True
-        return all(io.done(tmp) for tmp, _, _ in self._pending)
+            finalize = getattr(trainer.strategy, "finalize_checkpoints", None)
+            if callable(finalize):
+                finalize()  # collective; poll() runs on every rank
+        if isinstance(io, TrackedAsyncCheckpointIO):
+            if wait:
+                for tmp, _, _ in self._pending:
+                    io.wait(tmp)
+            elif not all(io.done(tmp) for tmp, _, _ in self._pending):
+                return False
+        # the strategy's writer renames into our temporary path when its write is complete (rank 0)
+        return not trainer.is_global_zero or all(tmp.exists() for tmp, _, _ in self._pending)
 
     def poll(self, trainer: Any, wait: bool = False) -> list[Path]:
         """Commit the writes that have finished on every rank (collective: call on all ranks)."""
@@ -52,6 +65,11 @@ class AtomicSaver:
             return []
         not_done = agree_flag(trainer, not self._local_done(trainer, wait))
         if not_done:
+            if wait:
+                raise RuntimeError(
+                    f"checkpoint write to {self._pending[0][0]} did not produce that path; the strategy's "
+                    "save_checkpoint must write exactly the path it is given."
+                )
             return []
         io = getattr(trainer.strategy, "checkpoint_io", None)
         committed = []
