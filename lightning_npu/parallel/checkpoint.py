@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,6 +59,10 @@ FORMAT_VERSION = 1
 MODEL_KEY = "state_dict"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _PathLike = Union[str, Path]
+
+
+class CheckpointSaveError(RuntimeError):
+    """Some rank failed to write its shards; nothing was committed."""
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -207,7 +212,16 @@ class ShardedCheckpointWriter:
             future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group())
             self._pending = (future, tmp, final, token, is_rank0)
             return
-        dcp.save(tensors, storage_writer=writer)  # raises on every rank if any rank's write failed
+        try:
+            dcp.save(tensors, storage_writer=writer)
+        except CheckpointException as err:  # raised on every rank when any rank's write failed
+            if is_rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(
+                f"Writing the checkpoint {str(final)!r} failed on rank(s) {sorted(err.failures)}: "
+                f"{next(iter(err.failures.values()))[0]!r}. Nothing was committed; a previous checkpoint at that "
+                "path is untouched."
+            ) from err
         if is_rank0:
             commit(tmp, final, token)
         barrier()
