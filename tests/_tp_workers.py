@@ -141,3 +141,21 @@ def vocab_parallel_ce_check(seed: int = 0) -> dict[str, Any]:
         )
     dist.destroy_process_group()
     return out
+
+
+def fit_expect_error(tp: int, model_kwargs: dict[str, Any], extra_linear: bool = False) -> dict[str, Any]:
+    """Run Trainer.fit with a layout that must be refused; report the error and whether a process group existed."""
+    import torch.distributed as dist
+
+    strategy = NPUHybridStrategy(tensor_parallel_size=tp)
+    model = GPTModule(**{**SMALL_GPT, **model_kwargs})
+    if extra_linear:
+        model.model.adapter = torch.nn.Linear(8, 8)
+    trainer = L.Trainer(accelerator="cpu", devices=tp, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=2, shuffle=False)
+    try:
+        trainer.fit(model, datamodule=data)
+    except Exception as err:  # noqa: BLE001
+        return {"type": type(err).__name__, "message": str(err), "pg": dist.is_initialized()}
+    return {"type": None, "message": "", "pg": dist.is_initialized()}

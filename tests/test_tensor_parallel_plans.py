@@ -1,0 +1,87 @@
+"""Tensor-parallel planning and validation: no processes needed, clear errors before any process group."""
+
+import pytest
+import torch
+
+from examples.gpt.model import GPTModule
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.launch import spawn
+from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.tensor import _part_major, _rank_major, plan_tensor_parallel
+from tests._tp_workers import HFCausalLM, fit_expect_error
+
+SMALL = dict(n_layer=1, n_head=4, n_embd=32, block_size=16, bias=False)
+
+
+def test_auto_plan_example_gpt():
+    plan = plan_tensor_parallel(GPTModule(**SMALL), 2, "auto")
+    names = {fqn: name for fqn, (name, _) in plan.styles.items()}
+    assert names == {
+        "model.transformer.wte": "vocab",
+        "model.transformer.h.0.attn.c_attn": "qkv",
+        "model.transformer.h.0.attn.c_proj": "rowwise",
+        "model.transformer.h.0.mlp.c_fc": "colwise",
+        "model.transformer.h.0.mlp.c_proj": "rowwise",
+        "model.lm_head": "vocab",
+    }
+    assert plan.vocab_parallel_head
+    assert plan.local_heads == {"model.transformer.h.0.attn": {"n_head": (4, 2)}}
+    assert "model.transformer.wpe" in plan.replicated and "model.transformer.ln_f" in plan.replicated
+
+
+def test_tp3_with_8_heads_is_refused():
+    with pytest.raises(ParallelConfigError, match=r"tensor_parallel_size=3 does not divide num_heads=8 "
+                                                  r"\(module model\.transformer\.h\.0\.attn\)"):
+        plan_tensor_parallel(GPTModule(**{**SMALL, "n_head": 8, "n_embd": 48}), 3, "auto")
+
+
+def test_gqa_kv_heads_must_divide():
+    model = HFCausalLM("llama")  # 4 query heads, 2 kv heads
+    plan_tensor_parallel(model, 2, "auto")
+    with pytest.raises(ParallelConfigError, match=r"tensor_parallel_size=4 does not divide num_kv_heads=2 "
+                                                  r"\(module model\.model\.layers\.0\.self_attn\)"):
+        plan_tensor_parallel(model, 4, "auto")
+
+
+def test_ffn_and_vocab_must_divide():
+    with pytest.raises(ParallelConfigError, match=r"does not divide vocab_size=255 .*pad it to a multiple of 2 "
+                                                  r"\(e\.g\. vocab_size=256"):
+        plan_tensor_parallel(GPTModule(**{**SMALL, "vocab_size": 255}), 2, "auto")
+    model = GPTModule(**SMALL)
+    with pytest.raises(ParallelConfigError, match=r"tensor_parallel_size=3 does not divide out_features=128 "
+                                                  r"\(module model\.transformer\.h\.0\.mlp\.c_fc\)"):
+        plan_tensor_parallel(model, 3, {"*.mlp.c_fc": "colwise"})
+
+
+def test_unknown_module_is_refused_by_auto():
+    model = GPTModule(**SMALL)
+    model.model.adapter = torch.nn.Linear(32, 32)
+    with pytest.raises(ParallelConfigError, match=r"tp_plan='auto' cannot shard module model\.adapter \(Linear\)"):
+        plan_tensor_parallel(model, 2, "auto")
+    # an explicit plan covers it
+    plan = plan_tensor_parallel(model, 2, {"*.c_attn": "qkv", "model.adapter": "colwise_rep"})
+    assert plan.styles["model.adapter"][0] == "colwise_rep"
+
+
+def test_dict_plan_errors():
+    model = GPTModule(**SMALL)
+    with pytest.raises(ParallelConfigError, match=r"`tp_plan\['\*\.nope'\]` matches no module"):
+        plan_tensor_parallel(model, 2, {"*.nope": "colwise"})
+    with pytest.raises(ParallelConfigError, match=r"is not a known style"):
+        NPUHybridStrategy(tensor_parallel_size=2, tp_plan={"*.c_fc": "diagonal"})
+    with pytest.raises(ParallelConfigError, match=r"needs an nn.Linear"):
+        plan_tensor_parallel(model, 2, {"model.transformer.ln_f": "colwise"})
+
+
+def test_fused_reorder_roundtrip():
+    w = torch.arange(12.0).view(12, 1)  # q = 0..3, k = 4..7, v = 8..11
+    rm = _rank_major(w, 0, 3, 2)
+    assert rm.flatten().tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]  # rank 0: q0 k0 v0, rank 1: q1 k1 v1
+    assert torch.equal(_part_major(rm, 0, 3, 2), w)
+
+
+def test_bad_layouts_fail_before_any_process_group():
+    """Through Trainer.fit in real processes: the plan is validated before init_process_group."""
+    for res in spawn(fit_expect_error, 2, 2, {"n_head": 4, "n_embd": 32}, True):
+        assert res["type"] == "ParallelConfigError" and "model.adapter" in res["message"], res
+        assert not res["pg"]
