@@ -19,6 +19,15 @@ TINY_GPT = dict(
 )
 
 
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of the full tensors (DTensor shards gathered: a collective, call on every rank)."""
+    out = {}
+    for k, v in module.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().float().clone()
+    return out
+
+
 class Recorder(L.Callback):
     """Per optimizer step: logged metrics, LR, scheduler counter, and (optionally) a parameter snapshot."""
 
@@ -54,7 +63,7 @@ class Recorder(L.Callback):
         if trainer.lr_scheduler_configs:
             row["sched_last_epoch"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
         if self.snapshot_params:
-            row["params"] = {k: v.detach().float().clone() for k, v in pl_module.state_dict().items()}
+            row["params"] = full_state(pl_module)
         self.rows.append(row)
 
 
@@ -116,10 +125,19 @@ def train(
     return {
         "rows": recorder.rows,
         "ref_norms": recorder.ref_norms,
-        "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "state": full_state(model),
         "plugin": type(plugin).__name__,
         "scaler": plugin.scaler.state_dict() if getattr(plugin, "scaler", None) is not None else None,
         "global_step": trainer.global_step,
         "rank": trainer.global_rank,
         "pid": os.getpid(),
     }
+
+
+def loss_curves(precisions: list[str], steps: int) -> dict[str, list[float]]:
+    """Train the same tiny GPT from the same seed under each precision in turn (one process, dp=1)."""
+    out = {}
+    for precision in precisions:
+        result = train(1, steps, precision, global_batch=8, model_kwargs={"n_embd": 64, "block_size": 64})
+        out[precision] = [row["loss"] for row in result["rows"]]
+    return out

@@ -1,0 +1,231 @@
+"""HybridPrecision: fp32 norms/softmax, loss scaling with an all-reduced skip, global clipping, resume."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+import lightning_npu  # noqa: F401
+from examples.gpt.model import GPT, CausalSoftmax, GPTConfig
+from lightning_npu import HybridPrecision
+from lightning_npu.launch import spawn
+from lightning_npu.precision import DynamicLossScaler
+from tests._precision_workers import loss_curves, train
+
+# fp32 parity tolerances, as in tests/test_foundation_parity.py (see there for why atol 1e-6 on params)
+RTOL, ATOL = 1e-5, 1e-6
+# bf16-mixed vs fp32 loss over 50 steps of the tiny GPT: measured max |diff| 2.4e-3 (rel 1.1e-3) at
+# n_embd=64; the bound below leaves ~8x margin while a broken bf16 path (e.g. bf16 softmax + unscaled
+# or double-scaled gradients) moves the curve by far more than 0.02.
+LOSS_CURVE_ATOL, LOSS_CURVE_RTOL = 0.02, 0.01
+
+
+# ---- fp32 islands --------------------------------------------------------------------------
+class _Probe:
+    """Hooks that see what a module's forward actually receives and returns (after our pre-hook,
+    before our cast-back) and whether autocast is on inside it."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.seen: list[tuple[str, torch.dtype, torch.dtype, bool]] = []
+        for m in modules:
+            m.register_forward_pre_hook(self._pre)
+            m.register_forward_hook(self._post, prepend=True)
+
+    def _pre(self, module, args):
+        self._in = (args[0].dtype, torch.is_autocast_enabled(args[0].device.type))
+
+    def _post(self, module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        self.seen.append((type(module).__name__, self._in[0], out.dtype, self._in[1]))
+
+
+class _SoftmaxObserver(TorchFunctionMode):
+    """Entered *outside* forward_context: sees functional softmax calls after HybridPrecision's mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[torch.dtype] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+            self.inputs.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_gpt_norms_and_softmax_run_in_fp32(precision):
+    idx = torch.randint(0, 64, (2, 16))
+    islands = lambda m: [x for x in m.modules() if isinstance(x, (nn.LayerNorm, CausalSoftmax))]  # noqa: E731
+
+    # without HybridPrecision, CPU autocast runs softmax in bf16 (so this test can fail)
+    baseline = _tiny_gpt()
+    probe = _Probe(islands(baseline))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        baseline(idx)
+    assert any(s[1] == torch.bfloat16 for s in probe.seen if s[0] == "CausalSoftmax")
+
+    plugin = HybridPrecision(precision, device="cpu")
+    model = plugin.convert_module(_tiny_gpt())
+    probe = _Probe(islands(model))
+    with plugin.forward_context():
+        logits = model(plugin.convert_input(idx))
+    assert logits.dtype == torch.bfloat16  # the forward is bf16...
+    assert len(probe.seen) == 2 * 3 + 1  # 2 blocks x (ln_1, softmax, ln_2) + ln_f
+    for name, dtype_in, dtype_out, autocast_on in probe.seen:  # ...the islands are fp32 with autocast off
+        assert (dtype_in, dtype_out, autocast_on) == (torch.float32, torch.float32, False), name
+    if precision == "bf16-true":
+        assert model.lm_head.weight.dtype == torch.bfloat16 and model.transformer.ln_f.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_llama_rmsnorm_and_softmax_run_in_fp32(precision):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )
+    cfg._attn_implementation = "eager"  # softmax as a functional call (sdpa keeps it inside the kernel)
+    torch.manual_seed(0)
+    idx = torch.randint(0, 64, (2, 8))
+    rms_norms = lambda m: [x for x in m.modules() if type(x).__name__ == "LlamaRMSNorm"]  # noqa: E731
+
+    if precision == "bf16-true":
+        # without HybridPrecision a bf16 Llama feeds its RMSNorms and softmax bf16 (so this test can fail).
+        # (Under CPU autocast with fp32 weights Llama's residual stream and masked scores are fp32 anyway.)
+        baseline = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        probe, observer = _Probe(rms_norms(baseline)), _SoftmaxObserver()
+        with observer:
+            baseline(idx)
+        assert observer.inputs == [torch.bfloat16] * 2
+        assert all(s[1] == torch.bfloat16 for s in probe.seen)
+
+    model = transformers.LlamaForCausalLM(cfg)
+    plugin = HybridPrecision(precision, device="cpu")
+    plugin.convert_module(model)
+    norms = rms_norms(model)
+    assert len(norms) == 2 * 2 + 1
+    probe, observer = _Probe(norms), _SoftmaxObserver()
+    with observer, plugin.forward_context():
+        out = model(idx)
+    assert out.logits.dtype == torch.bfloat16  # the forward is bf16
+    assert len(probe.seen) == len(norms)
+    assert all(s[1:] == (torch.float32, torch.float32, False) for s in probe.seen), probe.seen
+    assert observer.inputs == [torch.float32] * 2, observer.inputs  # one softmax per layer, fp32
+
+
+def test_functional_softmax_and_loss_are_upcast():
+    plugin = HybridPrecision("bf16-mixed", device="cpu")
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with plugin.forward_context():
+        # a bf16 softmax is visibly less accurate than fp32; ours must match the fp32 result rounded once
+        sm = torch.softmax(x, -1)
+        loss = torch.nn.functional.cross_entropy(x, torch.zeros(4, dtype=torch.long))
+    assert sm.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert torch.equal(sm, torch.softmax(x.float(), -1).to(torch.bfloat16))
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(x.float(), torch.zeros(4, dtype=torch.long)))
+
+
+# ---- loss scaler and configuration ----------------------------------------------------------
+def test_dynamic_loss_scaler_schedule():
+    s = DynamicLossScaler(init_scale=8.0, growth_interval=3, hysteresis=2, min_scale=2.0)
+    trace = []
+    for found_inf in [False, False, True, True, True, False, False, False, True, True, True, True]:
+        s.update(found_inf)
+        trace.append(s.scale)
+    # overflow 1 is absorbed by the hysteresis, overflows 2 and 3 halve; 3 clean steps double (and refill
+    # the hysteresis); then the floor holds
+    assert trace == [8, 8, 8, 4, 2, 2, 2, 4, 4, 2, 2, 2]
+    assert HybridPrecision("bf16-mixed").loss_scale == 2.0**10
+    assert HybridPrecision("32-true").scaler is None and HybridPrecision("bf16-mixed", loss_scale=None).scaler is None
+    static = HybridPrecision("bf16-mixed", loss_scale=128)
+    static.scaler.update(True)
+    assert static.loss_scale == 128
+
+
+def test_precision_flags_map_to_hybrid_precision_and_others_fail():
+    for flag in ["32-true", "bf16-mixed", "bf16-true"]:
+        trainer = L.Trainer(strategy="npu_hybrid", accelerator="cpu", devices=1, precision=flag, logger=False)
+        plugin = trainer.strategy.precision_plugin
+        assert isinstance(plugin, HybridPrecision) and plugin.precision == flag and plugin.device == "cpu"
+    with pytest.raises(ValueError, match=r"does not support the precision plugin DoublePrecision.*'64-true'"):
+        L.Trainer(strategy="npu_hybrid", accelerator="cpu", devices=1, precision="64-true", logger=False)
+    with pytest.raises(ValueError, match=r"HybridPrecision\(precision='fp8'\) is not supported"):
+        HybridPrecision("fp8")
+    with pytest.raises(ValueError, match=r"loss_scale='static'"):
+        HybridPrecision("bf16-mixed", loss_scale="static")
+    with pytest.raises(ValueError, match=r"`hysteresis=0` is invalid"):
+        HybridPrecision("bf16-mixed", hysteresis=0)
+
+
+# ---- multi-process ---------------------------------------------------------------------------
+def test_global_grad_norm_clipping_matches_single_process_fp32():
+    """dp=2 under ZeRO-1 (replicated gradients) and ZeRO-3 (FSDP2 DTensor gradient shards): the logged global
+    norm equals torch's `get_total_norm` of the full gradients in a single-process fp32 run, and the clipped
+    training reproduces that run's parameters. (The single-process run is npu_hybrid with one rank so that it
+    reads the same sampler order; its own logged norm is checked against torch's too.)"""
+    ref = spawn(train, 1, 1, 4, "32-true", 8, None, None, None, 0.5, {"grad_norm_reference": True})[0]
+    ref_norms = torch.tensor(ref["ref_norms"])
+    assert len(ref_norms) == 4 and (ref_norms > 0.5).all()  # clipping is active on every step
+    torch.testing.assert_close(torch.tensor([row["grad_norm"] for row in ref["rows"]]), ref_norms, rtol=RTOL, atol=0)
+    for zero_stage in (1, 3):
+        ranks = spawn(train, 2, 2, 4, "32-true", 8, {"zero_stage": zero_stage}, None, None, 0.5)
+        for r in ranks:
+            norms = torch.tensor([row["grad_norm"] for row in r["rows"]])
+            torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=0, msg=lambda m: f"zero {zero_stage}: {m}")
+            for k, v in ref["state"].items():
+                torch.testing.assert_close(r["state"][k], v, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"zero {zero_stage} {k}: {m}")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_overflow_on_one_rank_skips_everywhere_and_resume_restores_the_scale(tmp_path, precision):
+    """An inf in rank 1's gradient at steps 2 and 3: both ranks skip both steps (parameters and LR schedule
+    unchanged), the scale halves on the second overflow (hysteresis 2), training continues; a run resumed
+    from the step-3 checkpoint restores the scaler (incl. hysteresis state) exactly and repeats the rest."""
+    plugin_kwargs = {"growth_interval": 3}
+    rec = {"snapshot_params": True, "inject_inf_at": (2, 3), "inject_rank": 1}
+    args = (8, precision, 8, {"zero_stage": 1}, {"warmup_steps": 4}, plugin_kwargs, None, rec)
+    full = spawn(train, 2, 2, *args, str(tmp_path), 3)
+    for r in full:
+        rows = r["rows"]
+        assert [row["loss_scale"] for row in rows] == [1024, 1024, 1024, 512, 512, 512, 1024, 1024]
+        assert [row["skipped_steps"] for row in rows] == [0, 0, 1, 2, 2, 2, 2, 2]
+        assert [row["sched_last_epoch"] for row in rows] == [1, 2, 2, 2, 3, 4, 5, 6]
+        for k in rows[0]["params"]:
+            assert torch.equal(rows[2]["params"][k], rows[1]["params"][k]), k  # step 2 skipped
+            assert torch.equal(rows[3]["params"][k], rows[1]["params"][k]), k  # step 3 skipped
+        assert any(not torch.equal(rows[4]["params"][k], rows[3]["params"][k]) for k in rows[0]["params"])
+        assert rows[-1]["loss"] < rows[0]["loss"] and all(torch.isfinite(v).all() for v in r["state"].values())
+    for k in full[0]["state"]:
+        assert torch.equal(full[0]["state"][k], full[1]["state"][k]), k
+
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["HybridPrecision"]
+    assert saved["loss_scaler"] == {"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 1}
+    assert ("master_weights" in saved) == (precision == "bf16-true")
+    resumed = spawn(train, 2, 2, *args, None, 3, str(ckpt))
+    for r in resumed:
+        assert r["global_step"] == 8
+        # a fresh scaler (hysteresis 2) would absorb step 3's overflow and keep 1024
+        assert [row["loss_scale"] for row in r["rows"]] == [512, 512, 512, 1024, 1024]
+        assert r["scaler"] == full[0]["scaler"]
+        torch.testing.assert_close(torch.tensor([row["loss"] for row in r["rows"]]),
+                                   torch.tensor([row["loss"] for row in full[0]["rows"][3:]]), rtol=0, atol=0)
+        for k, v in full[0]["state"].items():
+            assert torch.equal(r["state"][k], v), k
+
+
+def test_bf16_mixed_loss_curve_tracks_fp32():
+    curves = spawn(loss_curves, 1, ["32-true", "bf16-mixed"], 50)[0]
+    fp32, bf16 = torch.tensor(curves["32-true"]), torch.tensor(curves["bf16-mixed"])
+    assert len(fp32) == len(bf16) == 50 and fp32[-1] < fp32[0] - 2.0  # it trained
+    torch.testing.assert_close(bf16, fp32, atol=LOSS_CURVE_ATOL, rtol=LOSS_CURVE_RTOL)
+    assert not torch.equal(bf16, fp32)  # and it really computed in bf16
