@@ -9,7 +9,7 @@ accumulation's `no_sync` and checkpoint IO are Lightning's own.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -89,6 +89,10 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         self.async_save = async_save
         # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
         self.tp_report: Any = None
+        # lightning_npu.parallel.pipeline.PipelinePlan / PipelineRunner once the model is known (pp > 1)
+        self.pipeline_plan: Any = None
+        self._pipeline: Any = None
+        self._pp_sync_grads = True
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -115,6 +119,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
 
     def setup_environment(self) -> None:
         self._plan_tensor_parallel()  # a tp plan that does not fit the model fails before any process group
+        self._plan_pipeline()  # so does a pipeline split (pp larger than the blocks, no pipeline_loss, ...)
         super().setup_environment()
         assert self.lightning_module is not None
         # Lightning's LightningModule.device_mesh reads this attribute (also in configure_model).
@@ -149,6 +154,11 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         if self.parallel_config.zero_stage in (2, 3):
             return self._fully_shard(model)  # FSDP2 over mesh["dp"] (ShardedStrategyMixin); no DDP wrapper
         sharded = self._apply_tensor_parallel(model)
+        if self.parallel_config.pipeline_parallel_size > 1:
+            # no DDP wrapper: the pipeline schedule runs forward and backward (DDP's forward never runs), and
+            # `_pipeline_step` averages the stage's gradients over mesh["dp"] itself
+            self._setup_pipeline(model)
+            return model
         wrapped = data_parallel.wrap_data_parallel(
             model,
             self.device_mesh,
@@ -173,7 +183,9 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 return None  # the model is built in configure_model: planned in _setup_model
             from lightning_npu.parallel.tensor import plan_tensor_parallel
 
-            self.tp_report = plan_tensor_parallel(module, cfg.tensor_parallel_size, cfg.tp_plan)
+            self.tp_report = plan_tensor_parallel(
+                module, cfg.tensor_parallel_size, cfg.tp_plan, sequence_parallel=cfg.sequence_parallel
+            )
         return self.tp_report
 
     def _apply_tensor_parallel(self, model: torch.nn.Module) -> list[str]:
@@ -209,22 +221,44 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         return nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_step("train", *args, **kwargs)
         with self._loss_context():
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_step("validate", *args, **kwargs)
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_step("test", *args, **kwargs)
         with self._loss_context():
             return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_step("predict", *args, **kwargs)
         with self._loss_context():
             return super().predict_step(*args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline is not None:
+            # the pipeline schedule already ran every micro-batch's backward inside `training_step` (its gradients
+            # held aside because Lightning zeroes gradients between training_step and backward): no second
+            # backward, the held gradients are accumulated here and averaged over dp at the last accumulation
+            # micro-step. Lightning's on_before/after_backward hooks still run (the base Precision's methods only
+            # call them: the loss scale was applied inside the schedule's loss)
+            module = self.lightning_module
+            closure_loss = Precision.pre_backward(self.precision_plugin, closure_loss, module)
+            if self._pipeline.apply_gradients() and self._pp_sync_grads:
+                from lightning_npu.parallel.pipeline import all_reduce_gradients
+
+                all_reduce_gradients(self._pipeline.stage_parameters(), self.device_mesh["dp"].get_group(),
+                                     int(self.parallel_config.bucket_size_mb * 2**20))
+            return Precision.post_backward(self.precision_plugin, closure_loss, module)
         # the vocab-parallel cross-entropy's backward must run under loss_parallel too
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -232,6 +266,14 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
     # checkpoints hold full (unsharded, original-layout) tensors whatever the tp size: gathered over tp
     # on save, sliced on load. Collective: Lightning calls these on every rank.
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._pipeline is not None and self._tp_active():
+            from lightning_npu.parallel.config import NotImplementedYetError
+
+            raise NotImplementedYetError(
+                "checkpoints under pipeline_parallel_size>1 together with tensor_parallel_size>1 are not implemented "
+                "yet (tp saves consolidated single files, which hold one pipeline stage); save with "
+                "tensor_parallel_size=1 (pp checkpoints are per-stage DCP directories) or disable checkpointing."
+            )
         state = super().lightning_module_state_dict()
         if not self._tp_active():
             return state
@@ -292,6 +334,112 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                     zero._opt_called = True
             sharded.append(zero)
         self.optimizers = sharded
+
+    # ---- pipeline parallelism (lightning_npu.parallel.pipeline) ------------------------------
+    def _plan_pipeline(self) -> Any:
+        cfg = self.parallel_config
+        if cfg.pipeline_parallel_size == 1:
+            return None
+        module = self.lightning_module
+        if self.pipeline_plan is None or (self._pipeline is not None and self._pipeline.module is not module):
+            if module is None or not any(True for _ in module.parameters()):
+                return None  # the model is built in configure_model: planned in _setup_model
+            from lightning_npu.parallel.pipeline import plan_pipeline
+
+            self._pipeline = None
+            self.pipeline_plan = plan_pipeline(module, cfg.pipeline_parallel_size, cfg.pipeline_schedule)
+        return self.pipeline_plan
+
+    def _setup_pipeline(self, model: torch.nn.Module) -> None:
+        """Keep only this rank's stages of `model` (in place) and build their schedules."""
+        if self._pipeline is not None and self._pipeline.module is model:
+            return
+        from lightning_npu.parallel.pipeline import PipelineRunner
+
+        plan = self._plan_pipeline()
+        cfg = self.parallel_config
+        self._pipeline = PipelineRunner(
+            model, plan, self.device_mesh["pp"], self.root_device, cfg.pipeline_schedule,
+            cfg.micro_batches or cfg.pipeline_parallel_size,
+        )
+        # Lightning broadcasts rank 0's parameters before validate/test: pipeline stages hold different modules
+        model._ddp_params_and_buffers_to_ignore = [n for n, _ in model.named_parameters()] + [
+            n for n, _ in model.named_buffers()]
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.parallel_config.pipeline_parallel_size > 1:
+            self._setup_pipeline(self.lightning_module)  # validate/test/predict without fit: split here
+
+    @contextmanager
+    def block_backward_sync(self) -> Any:
+        if self._pipeline is None:
+            with super().block_backward_sync():
+                yield None
+            return
+        # gradient accumulation: no dp all-reduce of the stage gradients until the last micro-step
+        self._pp_sync_grads = False
+        try:
+            yield None
+        finally:
+            self._pp_sync_grads = True
+
+    def _pipeline_step(self, kind: str, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
+        runner, module, plugin = self._pipeline, self.lightning_module, self.precision_plugin
+        batch = plugin.convert_input(batch)
+        context = {
+            "train": plugin.train_step_context,
+            "validate": plugin.val_step_context,
+            "test": plugin.test_step_context,
+            "predict": plugin.predict_step_context,
+        }[kind]
+        with context(), self._loss_context():
+            if kind == "predict":
+                return runner.predict_step(batch)
+            if kind == "validate" or kind == "test":
+                loss = runner.eval_step(batch)
+            else:
+                trainer = module.trainer
+                # the loss scale (HybridPrecision) and Lightning's 1/accumulate_grad_batches go into each
+                # micro-batch's loss, so the gradients come out as a non-pipelined backward would leave them
+                factor = float(getattr(plugin, "loss_scale", 1.0)) / max(1, trainer.accumulate_grad_batches)
+                loss = runner.train_step(batch, factor)
+        hook = getattr(module, "on_pipeline_loss", None)
+        if callable(hook):
+            hook(kind, loss, batch, batch_idx)
+        else:
+            name = runner.layout.log_names.get(kind)
+            if name:
+                module.log(name, loss, prog_bar=True, sync_dist=True)
+        return {"loss": loss} if kind == "train" else loss
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        module = self.lightning_module
+        if self._pipeline is None or module is None or not self._sharded_checkpoints():
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # each stage restores only its own keys: the other stages' keys in the checkpoint are not "unexpected";
+        # keys of this stage missing from the checkpoint are still an error under strict loading
+        from lightning_npu.parallel import checkpoint as ckpt
+
+        strict = module.strict_loading
+        path = ckpt.resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        if strict and ckpt.is_sharded_checkpoint(path):
+            stored = ckpt.checkpoint_tensor_metadata(path)
+            ckpt.check_model_keys(
+                {k: v for k, v in stored.items() if k.startswith(ckpt.MODEL_KEY + ".")},
+                ckpt.model_state_dict(module), path, strict=False,
+            )
+            missing = [k for k in ckpt.model_state_dict(module) if f"{ckpt.MODEL_KEY}.{k}" not in stored]
+            if missing:
+                raise ckpt.CheckpointMismatchError(
+                    f"The checkpoint {str(path)!r} lacks this pipeline stage's keys {missing[:8]}; load it into the "
+                    "model it was saved from, or set `LightningModule.strict_loading = False`."
+                )
+        module.strict_loading = False
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        finally:
+            module.strict_loading = strict
 
     def model_to_device(self) -> None:
         assert self.model is not None

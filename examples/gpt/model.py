@@ -156,6 +156,10 @@ class GPTModule(L.LightningModule):
         logits = self(idx)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """lightning-npu pipeline parallelism: the last stage's loss for one micro-batch (same as `loss`)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)

@@ -92,6 +92,11 @@ class ParallelConfig:
                     )
         if not isinstance(self.sequence_parallel, bool):
             raise ParallelConfigError(f"`sequence_parallel={self.sequence_parallel!r}` must be True or False.")
+        if self.sequence_parallel and (self.tensor_parallel_size == 1 or self.tp_plan is None):
+            raise ParallelConfigError(
+                "`sequence_parallel=True` shards activations over the tensor-parallel group: it needs "
+                "`tensor_parallel_size>1` and a tp_plan; set sequence_parallel=False or raise tensor_parallel_size."
+            )
         ac = self.activation_checkpointing
         if not (ac is None or ac == "selective" or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
             raise ParallelConfigError(
@@ -125,8 +130,6 @@ class ParallelConfig:
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
         pending = {
-            "pipeline_parallel_size": (self.pipeline_parallel_size != 1, "pipeline parallelism"),
-            "sequence_parallel": (self.sequence_parallel, "sequence parallelism"),
             "activation_checkpointing": (self.activation_checkpointing is not None, "activation checkpointing"),
             "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
             "hierarchical_allreduce": (self.hierarchical_allreduce is True, "hierarchical all-reduce"),

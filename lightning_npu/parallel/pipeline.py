@@ -1,0 +1,619 @@
+"""Pipeline parallelism over the mesh's ``pp`` dimension, with ``torch.distributed.pipelining``.
+
+The LightningModule contract (small on purpose; the same module runs unchanged with P=1):
+
+1. **A loss on the last stage's output.** Define ``pipeline_loss(self, output, target) -> Tensor``
+   (mean over the micro-batch): the last stage calls it once per micro-batch with its output
+   (e.g. the logits) and that micro-batch's targets. GPT: ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``.
+2. **A forward shaped like a decoder**: ``hidden = <embedding>(inputs)``; ``for block in <ModuleList>:
+   hidden = block(hidden)``; ``output = head(...norm(hidden))``. Found automatically:
+
+   * the *blocks* are the ``nn.ModuleList`` holding the most parameters (GPT's ``transformer.h``,
+     Llama's ``model.layers``); each block takes and returns one hidden-state tensor;
+   * stage 0 holds every module with parameters registered *before* the blocks (``wte``, ``wpe``) and
+     computes the blocks' input by running the module's own ``forward(inputs)`` until block 0 is
+     called (so position embeddings, dropout, scaling... are whatever the forward does);
+   * the last stage holds the modules with parameters registered *after* the blocks and applies them
+     in registration order (``ln_f`` then ``lm_head``; Llama's ``norm`` then ``lm_head``), then the loss.
+3. **Batches** are ``(inputs, targets, ...)``: stage 0 gets ``batch[0]``, the loss gets ``batch[1]``.
+
+Unusual models declare a ``pipeline_layout`` (class attribute or method returning a dict or
+:class:`PipelineLayout`) naming ``blocks``/``embed``/``head`` by qualified name, an ``embed_fn``, a
+``batch_fn``, the ``balance`` (``"count"`` or ``"params"``), an explicit ``split`` (blocks per stage),
+``virtual_stages`` (stages per rank for ``interleaved_1f1b``, default 2) or ``log_names``.
+
+Lightning integration (see ``NPUHybridStrategy``): under P > 1 the strategy, not the module's
+``training_step``, runs a training step: the schedule does forward *and* backward of every
+micro-batch, data-parallel gradients are averaged over ``dp``, and the strategy logs the last stage's
+loss (mean over micro-batches, broadcast to every pp rank) with ``self.log(log_names["train"], loss,
+prog_bar=True, sync_dist=True)`` (define ``on_pipeline_loss(kind, loss, batch, batch_idx)`` to log
+differently). Validation/test run the pipeline forward-only and log ``val_loss``/``test_loss`` the same
+way; predict returns the last stage's output on the last stage (``None`` on the others).
+
+Physically each rank keeps only its stages' modules: the others are replaced in the LightningModule by
+parameterless placeholders, so ``parameters()``/``state_dict()`` of a rank are those of its stages under
+their original names (checkpoints are per stage and reshard by name), and ``configure_optimizers``
+sees only local parameters. Gradients are plain tensors owned by exactly one stage: a global gradient
+norm is the per-stage sum of squares all-reduced over the ``pp`` group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_npu.parallel.config import ParallelConfigError
+
+__all__ = [
+    "PipelineLayout",
+    "PipelinePlan",
+    "PipelineRunner",
+    "all_reduce_gradients",
+    "balance_blocks",
+    "plan_pipeline",
+]
+
+DEFAULT_LOG_NAMES = {"train": "train_loss", "validate": "val_loss", "test": "test_loss"}
+
+
+class PipelineLayoutError(ParallelConfigError):
+    """The model cannot be split as asked; the message names the module/argument and the fix."""
+
+
+@dataclass
+class PipelineLayout:
+    """Optional declaration for models the automatic split does not fit (see the module docstring)."""
+
+    blocks: Optional[str] = None
+    embed: Optional[list[str]] = None
+    head: Optional[list[str]] = None
+    embed_fn: Optional[Callable[[Any], torch.Tensor]] = None
+    batch_fn: Optional[Callable[[Any], tuple[Any, Any]]] = None
+    balance: str = "count"
+    split: Optional[list[int]] = None
+    virtual_stages: int = 2
+    log_names: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_LOG_NAMES))
+
+
+def declared_layout(module: nn.Module) -> PipelineLayout:
+    decl = getattr(module, "pipeline_layout", None)
+    if callable(decl):
+        decl = decl()
+    if decl is None:
+        return PipelineLayout()
+    if isinstance(decl, PipelineLayout):
+        return decl
+    if isinstance(decl, dict):
+        unknown = set(decl) - set(PipelineLayout.__dataclass_fields__)
+        if unknown:
+            raise PipelineLayoutError(
+                f"{type(module).__name__}.pipeline_layout has unknown keys {sorted(unknown)}; use "
+                f"{sorted(PipelineLayout.__dataclass_fields__)}."
+            )
+        decl = dict(decl)
+        if "log_names" in decl:
+            decl["log_names"] = {**DEFAULT_LOG_NAMES, **decl["log_names"]}
+        return PipelineLayout(**decl)
+    raise PipelineLayoutError(
+        f"{type(module).__name__}.pipeline_layout must be a dict or lightning_npu.parallel.pipeline.PipelineLayout "
+        f"(or a method returning one), got {type(decl).__name__}."
+    )
+
+
+# ---- planning (no process group) ----------------------------------------------------------------
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _find_blocks(module: nn.Module) -> str:
+    best, best_numel = None, -1
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) > 0:
+            n = _numel(sub)
+            if n > best_numel:
+                best, best_numel = name, n
+    if best is None or best_numel <= 0:
+        raise PipelineLayoutError(
+            f"pipeline parallelism found no nn.ModuleList of blocks with parameters in {type(module).__name__}; "
+            "declare `pipeline_layout = {'blocks': '<qualified name of the ModuleList>', ...}` on the LightningModule."
+        )
+    return best
+
+
+def _units_around(module: nn.Module, blocks_fqn: str) -> tuple[list[str], list[str]]:
+    """Outermost parameterised modules registered before / after the blocks (ancestors are descended)."""
+    before: list[str] = []
+    after: list[str] = []
+    seen = False
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        nonlocal seen
+        own = [n for n, _ in m.named_parameters(recurse=False)]
+        if own:
+            raise PipelineLayoutError(
+                f"`{prefix or type(m).__name__}` holds parameters directly ({', '.join(own)}) and contains the pipeline "
+                f"blocks `{blocks_fqn}`; move them into a submodule or declare `pipeline_layout` embed/head explicitly."
+            )
+        for name, child in m.named_children():
+            fqn = f"{prefix}.{name}" if prefix else name
+            if fqn == blocks_fqn:
+                seen = True
+            elif blocks_fqn.startswith(fqn + "."):
+                visit(fqn, child)
+            elif _numel(child) > 0:
+                (after if seen else before).append(fqn)
+
+    visit("", module)
+    return before, after
+
+
+def balance_blocks(weights: Sequence[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Contiguous split of blocks with `weights` into `num_stages` non-empty stages minimising the heaviest
+    stage (stage 0 also carries `first_extra`, the last stage `last_extra`). Returns blocks per stage."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[s][i]: minimal max-load splitting the first i blocks into s stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                load = prefix[i] - prefix[j] + (first_extra if s == 1 else 0) + (last_extra if s == num_stages else 0)
+                cand = max(best[s - 1][j], load)
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    sizes, i = [], n
+    for s in range(num_stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+@dataclass
+class PipelinePlan:
+    """Which modules each pipeline stage holds; stage s runs on pp rank ``s % pp_size``."""
+
+    pp_size: int
+    num_stages: int
+    blocks: str
+    num_blocks: int
+    embed: list[str]
+    head: list[str]
+    stage_blocks: list[list[int]]
+    layout: PipelineLayout
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if s % self.pp_size == pp_rank]
+
+    def modules_of_stage(self, stage: int) -> list[str]:
+        names = [f"{self.blocks}.{i}" for i in self.stage_blocks[stage]]
+        if stage == 0:
+            names = self.embed + names
+        if stage == self.num_stages - 1:
+            names = names + self.head
+        return names
+
+    def report(self) -> str:
+        lines = [f"pipeline: {self.num_stages} stages on {self.pp_size} ranks, blocks `{self.blocks}`"]
+        for s in range(self.num_stages):
+            b = self.stage_blocks[s]
+            extra = (" + embed " + ",".join(self.embed) if s == 0 else "") + (
+                " + head " + ",".join(self.head) if s == self.num_stages - 1 else "")
+            lines.append(f"  stage {s} (pp rank {s % self.pp_size}): blocks {b[0]}..{b[-1]}{extra}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
+                  layout: Optional[PipelineLayout] = None) -> PipelinePlan:
+    """Split `module` into pipeline stages (validated, no process group). Raises PipelineLayoutError."""
+    layout = layout if layout is not None else declared_layout(module)
+    if not callable(getattr(module, "pipeline_loss", None)):
+        raise PipelineLayoutError(
+            f"`pipeline_parallel_size={pp_size}` needs {type(module).__name__} to define "
+            "`pipeline_loss(self, output, target)`, the loss the last stage computes from its output for one "
+            "micro-batch, e.g. `return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())`."
+        )
+    if layout.balance not in ("count", "params"):
+        raise PipelineLayoutError(f"pipeline_layout balance={layout.balance!r} must be 'count' or 'params'.")
+    virtual = 1
+    if schedule == "interleaved_1f1b":
+        virtual = layout.virtual_stages
+        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 2:
+            raise PipelineLayoutError(
+                f"pipeline_layout virtual_stages={virtual!r}: pipeline_schedule='interleaved_1f1b' needs an int >= 2 "
+                "stages per rank (or use pipeline_schedule='1f1b')."
+            )
+    num_stages = pp_size * virtual
+    blocks_fqn = layout.blocks or _find_blocks(module)
+    try:
+        blocks = module.get_submodule(blocks_fqn)
+    except AttributeError:
+        raise PipelineLayoutError(f"pipeline_layout blocks={blocks_fqn!r} is not a submodule of {type(module).__name__}.")
+    if not isinstance(blocks, nn.ModuleList):
+        raise PipelineLayoutError(f"pipeline_layout blocks={blocks_fqn!r} is a {type(blocks).__name__}, not an nn.ModuleList.")
+    n = len(blocks)
+    if num_stages > n:
+        if virtual == 1:
+            raise PipelineLayoutError(
+                f"`pipeline_parallel_size={pp_size}` is larger than the {n} blocks of `{blocks_fqn}`; every stage needs "
+                f"at least one block: use pipeline_parallel_size<={n}."
+            )
+        raise PipelineLayoutError(
+            f"`pipeline_parallel_size={pp_size}` x virtual_stages={virtual} (pipeline_schedule='interleaved_1f1b') = "
+            f"{num_stages} stages is larger than the {n} blocks of `{blocks_fqn}`; lower pipeline_parallel_size or "
+            "pipeline_layout virtual_stages, or use pipeline_schedule='1f1b'."
+        )
+    before, after = _units_around(module, blocks_fqn)
+    embed = list(layout.embed) if layout.embed is not None else before
+    head = list(layout.head) if layout.head is not None else after
+    for fqn in embed + head:
+        try:
+            module.get_submodule(fqn)
+        except AttributeError:
+            raise PipelineLayoutError(f"pipeline_layout names `{fqn}`, which is not a submodule of {type(module).__name__}.")
+    covered = set(embed) | set(head)
+    orphans = [f for f in before + after if f not in covered and not any(f.startswith(c + ".") for c in covered)]
+    if orphans:
+        raise PipelineLayoutError(
+            f"modules with parameters {orphans} are on no pipeline stage; add them to pipeline_layout 'embed' "
+            "(stage 0) or 'head' (last stage)."
+        )
+    # the same parameter held by two stages (tied embedding / LM head) cannot be split
+    owner: dict[int, str] = {}
+    for fqn in embed + head:
+        for p in module.get_submodule(fqn).parameters():
+            if id(p) in owner and (owner[id(p)] in embed) != (fqn in embed):
+                raise PipelineLayoutError(
+                    f"`{owner[id(p)]}` and `{fqn}` share a parameter (tied weights) but would live on different "
+                    "pipeline stages; untie them (e.g. tie_word_embeddings=False) to use pipeline parallelism."
+                )
+            owner.setdefault(id(p), fqn)
+    if layout.split is not None:
+        split = list(layout.split)
+        if len(split) != num_stages or sum(split) != n or min(split) < 1:
+            raise PipelineLayoutError(
+                f"pipeline_layout split={split} must give {num_stages} positive block counts summing to the {n} "
+                f"blocks of `{blocks_fqn}`."
+            )
+    elif layout.balance == "params":
+        first = sum(_numel(module.get_submodule(f)) for f in embed)
+        last = sum(_numel(module.get_submodule(f)) for f in head)
+        split = balance_blocks([_numel(b) for b in blocks], num_stages, first, last)
+    else:
+        split = [n // num_stages + (1 if s < n % num_stages else 0) for s in range(num_stages)]
+    stage_blocks, start = [], 0
+    for size in split:
+        stage_blocks.append(list(range(start, start + size)))
+        start += size
+    return PipelinePlan(pp_size, num_stages, blocks_fqn, n, embed, head, stage_blocks, layout)
+
+
+# ---- splitting the module ------------------------------------------------------------------------
+class AbsentModule(nn.Module):
+    """Placeholder for a module that lives on another pipeline stage (holds no parameters)."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.name, self.stage = name, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"`{self.name}` lives on pipeline stage {self.stage}, not on this rank; under pipeline parallelism the "
+            "model runs through the strategy's pipeline schedule, not by calling it directly."
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r} on pipeline stage {self.stage}"
+
+
+def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    if isinstance(parent, (nn.ModuleList, nn.Sequential)) and name.isdigit():
+        parent[int(name)] = new
+    else:
+        setattr(parent, name, new)
+
+
+class _Captured(Exception):
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage 0 captured the blocks' input")
+        self.hidden = hidden
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: (stage 0) the embedding part of the forward, its blocks, (last) the head chain."""
+
+    def __init__(self, runner: "PipelineRunner", stage: int, blocks: list[nn.Module],
+                 embed: list[nn.Module], head: list[nn.Module]) -> None:
+        super().__init__()
+        self.stage = stage
+        self.is_first = stage == 0
+        self.is_last = stage == runner.plan.num_stages - 1
+        self.blocks = nn.ModuleList(blocks)
+        self.embed = nn.ModuleList(embed)  # registered so that the stage's parameters() include them
+        self.head = nn.ModuleList(head)
+        self._runner = [runner]  # not a submodule
+
+    def forward(self, x: Any) -> torch.Tensor:
+        if self.is_first:
+            x = self._runner[0].embed(x)
+        for block in self.blocks:
+            x = block(x)
+        for module in self.head:
+            x = module(x)
+        return x
+
+
+def all_reduce_gradients(params: Sequence[torch.Tensor], group: Any, bucket_bytes: int = 25 * 2**20) -> None:
+    """Average the gradients of `params` over `group` (coalesced per dtype, in buckets)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    world = dist.get_world_size(group)
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, g in enumerate(grads):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes or i == len(grads) - 1:
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                flat.div_(world)
+                for g_, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    g_.copy_(synced)
+                bucket, size = [], 0
+
+
+# ---- running ------------------------------------------------------------------------------------
+class PipelineRunner:
+    """Owns this rank's stages and the schedules; `step(kind, batch)` runs one pipelined step."""
+
+    def __init__(self, module: nn.Module, plan: PipelinePlan, pp_mesh: Any, device: torch.device,
+                 schedule: str, micro_batches: int) -> None:
+        self.module = module
+        self.plan = plan
+        self.layout = plan.layout
+        self.schedule_name = schedule
+        self.micro_batches = micro_batches
+        self.device = device
+        self.group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.local_stages = plan.stages_of(self.pp_rank)
+        self.has_first = 0 in self.local_stages
+        self.has_last = plan.num_stages - 1 in self.local_stages
+        self.last_rank = dist.get_global_rank(self.group, (plan.num_stages - 1) % plan.pp_size)
+        self._blocks_list = module.get_submodule(plan.blocks)
+        self._first_block = self._blocks_list[0]
+        self.stage_modules = self._split()
+        self._schedules: dict[tuple, Any] = {}
+        self._unscaled: dict[int, torch.Tensor] = {}
+        self.loss_factor = 1.0
+        self._pending_grads: Optional[list[Optional[torch.Tensor]]] = None
+
+    # -- split ------------------------------------------------------------------------------------
+    def _split(self) -> list[StageModule]:
+        plan, module = self.plan, self.module
+        local = set()
+        for s in self.local_stages:
+            local.update(plan.modules_of_stage(s))
+        stage_of: dict[str, int] = {}
+        for s in range(plan.num_stages):
+            for name in plan.modules_of_stage(s):
+                stage_of[name] = s
+        stages = []
+        for s in self.local_stages:
+            blocks = [self._blocks_list[i] for i in plan.stage_blocks[s]]
+            embed = [module.get_submodule(f) for f in plan.embed] if s == 0 else []
+            head = [module.get_submodule(f) for f in plan.head] if s == plan.num_stages - 1 else []
+            stages.append(StageModule(self, s, blocks, embed, head))
+        for name, s in stage_of.items():
+            if name not in local:
+                _replace(module, name, AbsentModule(name, s))
+        return stages
+
+    def stage_parameters(self) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for stage in self.stage_modules:
+            for p in stage.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    # -- stage 0's embedding ----------------------------------------------------------------------
+    def embed(self, inputs: Any) -> torch.Tensor:
+        if self.layout.embed_fn is not None:
+            return self.layout.embed_fn(inputs)
+
+        def capture(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if len(args) != 1 or kwargs:
+                raise PipelineLayoutError(
+                    f"block 0 of `{self.plan.blocks}` is called with {len(args)} positional and {sorted(kwargs)} keyword "
+                    "arguments; pipeline stages pass one hidden-state tensor between blocks. Declare pipeline_layout "
+                    "'embed_fn' (and blocks that take one tensor) for this model."
+                )
+            raise _Captured(args[0])
+
+        handle = self._first_block.register_forward_pre_hook(capture, prepend=True, with_kwargs=True)
+        try:
+            self.module(inputs)
+        except _Captured as captured:
+            return captured.hidden
+        finally:
+            handle.remove()
+        raise PipelineLayoutError(
+            f"{type(self.module).__name__}.forward returned without calling block 0 of `{self.plan.blocks}`; declare "
+            "pipeline_layout 'blocks' (the ModuleList the forward loops over) or 'embed_fn'."
+        )
+
+    # -- batches ----------------------------------------------------------------------------------
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        if self.layout.batch_fn is not None:
+            return self.layout.batch_fn(batch)
+        if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            return batch[0], batch[1]
+        raise PipelineLayoutError(
+            f"pipeline parallelism expects batches (inputs, targets, ...), got {type(batch).__name__}; declare "
+            "pipeline_layout 'batch_fn' returning (inputs, targets)."
+        )
+
+    @staticmethod
+    def _batch_size(x: Any) -> int:
+        t = x if isinstance(x, torch.Tensor) else next(
+            (v for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, torch.Tensor)), None)
+        if t is None:
+            raise PipelineLayoutError("pipeline inputs must be a tensor (or hold one) to split into micro-batches.")
+        return t.shape[0]
+
+    def _micro_batches(self, batch_size: int, train: bool) -> int:
+        m = self.micro_batches
+        if batch_size % m == 0:
+            return m
+        if train:
+            raise ParallelConfigError(
+                f"the per-rank batch of {batch_size} samples is not divisible by `micro_batches={m}`; make each "
+                f"data-parallel rank's batch size a multiple of {m} (or change micro_batches)."
+            )
+        # evaluation: the largest micro-batch count <= M that divides the batch (e.g. a last, smaller batch)
+        return max(d for d in range(1, min(m, batch_size) + 1) if batch_size % d == 0)
+
+    # -- schedules --------------------------------------------------------------------------------
+    def _schedule(self, kind: str, m: int, shape_key: tuple) -> Any:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleLoopedBFS,
+        )
+
+        key = (kind, m, shape_key)
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(sm, sm.stage, self.plan.num_stages, self.device, group=self.group)
+                for sm in self.stage_modules
+            ]
+            loss_fn = {"train": self._train_loss, "eval": self._eval_loss}.get(kind)
+            multi = len(stages) > 1
+            if kind == "train":
+                cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[
+                    self.schedule_name]
+            else:  # forward only
+                cls = ScheduleLoopedBFS if multi else ScheduleGPipe
+            # scale_grads=False: the loss is divided by M instead, so that gradients Lightning accumulates over
+            # several training steps are not divided again by the schedule
+            self._schedules[key] = cls(stages if multi else stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def _user_loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self.module.pipeline_loss(output, target)
+
+    def _train_loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self._user_loss(output, target)
+        scaled = loss * self.loss_factor
+        self._unscaled[id(scaled)] = loss.detach()
+        return scaled
+
+    def _eval_loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self._user_loss(output, target)
+
+    def _broadcast(self, value: Optional[torch.Tensor]) -> torch.Tensor:
+        t = value.detach().float().reshape(()).clone() if value is not None else torch.zeros((), device=self.device)
+        t = t.to(self.device)
+        if self.plan.pp_size > 1:
+            dist.broadcast(t, src=self.last_rank, group=self.group)
+        return t
+
+    @staticmethod
+    def _shape_key(x: Any) -> tuple:
+        leaves = [x] if isinstance(x, torch.Tensor) else list(x.values() if isinstance(x, dict) else x)
+        return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+    def train_step(self, batch: Any, loss_factor: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the mean loss (unscaled) on every pp rank.
+
+        The step's gradients are held aside (`.grad` is left as it was) until `apply_gradients()`: Lightning
+        zeroes gradients *between* `training_step` and `backward`, and the strategy's `backward` applies them.
+        """
+        params = self.stage_parameters()
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss = self._train_step(batch, loss_factor)
+        finally:
+            self._pending_grads = [p.grad for p in params]
+            for p, g in zip(params, saved):
+                p.grad = g
+        return loss
+
+    def apply_gradients(self) -> bool:
+        """Accumulate the gradients of the last `train_step` into `.grad`; False when there were none."""
+        pending, self._pending_grads = self._pending_grads, None
+        if pending is None:
+            return False
+        for p, g in zip(self.stage_parameters(), pending):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        return True
+
+    def _train_step(self, batch: Any, loss_factor: float) -> torch.Tensor:
+        inputs, targets = self.split_batch(batch)
+        m = self._micro_batches(self._batch_size(inputs), train=True)
+        schedule = self._schedule("train", m, self._shape_key(inputs) + self._shape_key(targets))
+        self.loss_factor = loss_factor / m
+        self._unscaled.clear()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
+        mean = None
+        if self.has_last:
+            mean = torch.stack([self._unscaled[id(l)].float() for l in losses]).mean()
+        self._unscaled.clear()
+        return self._broadcast(mean)
+
+    def eval_step(self, batch: Any) -> torch.Tensor:
+        inputs, targets = self.split_batch(batch)
+        m = self._micro_batches(self._batch_size(inputs), train=False)
+        schedule = self._schedule("eval", m, self._shape_key(inputs) + self._shape_key(targets))
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
+        mean = torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
+        return self._broadcast(mean)
+
+    def predict_step(self, batch: Any) -> Any:
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and self.layout.batch_fn is None else (
+            self.split_batch(batch)[0] if self.layout.batch_fn is not None else batch)
+        m = self._micro_batches(self._batch_size(inputs), train=False)
+        schedule = self._schedule("predict", m, self._shape_key(inputs))
+        args = (inputs,) if self.has_first else ()
+        out = schedule.step(*args)
+        return out if self.has_last else None
+
+
+def bubble_fraction(pp_size: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a synchronous pipeline step: (P-1) / (V*M + P-1) (V=1: GPipe and 1F1B)."""
+    return (pp_size - 1) / (virtual_stages * micro_batches + pp_size - 1)
+
