@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,12 @@ def _hand_tp_module():
             parallelize_module(self.model, tp_mesh, plan)
             for block in self.model.transformer.h:
                 block.attn.n_head //= tp_mesh.size()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            # GPTModule's tokens/s log, with this strategy's mesh-dimension name
+            elapsed = time.perf_counter() - self._step_started
+            world_tokens = batch[0].numel() * self.device_mesh["data_parallel"].size()
+            self.log("tokens_per_s", world_tokens / max(elapsed, 1e-9), prog_bar=True)
 
     return HandTPGPT
 

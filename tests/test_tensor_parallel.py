@@ -65,6 +65,15 @@ def test_tp2_dict_plan_with_parallel_style_objects():
     assert_parity(ranks, reference("gpt"))
 
 
+def test_tp2_sequence_parallel_matches_single_process():
+    """Norms, dropout and residuals on sequence shards (reduce-scatter after row-parallel, gather into blocks)."""
+    ranks = spawn(train_tp, 2, 2, 8, 5, {"zero_stage": 0, "tensor_parallel_size": 2, "sequence_parallel": True})
+    report = ranks[0]["report"]
+    assert "sequence parallel" in report and "model.transformer.h.0.ln_1: norm" in report
+    assert "model.transformer.wpe: position" in report and "model.transformer.h.0.attn: gather_seq" in report
+    assert_parity(ranks, reference("gpt"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_dp2_tp2_matches_single_process(zero_stage):

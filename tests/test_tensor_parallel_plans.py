@@ -85,3 +85,15 @@ def test_bad_layouts_fail_before_any_process_group():
     for res in spawn(fit_expect_error, 2, 2, {"n_head": 4, "n_embd": 32}, True):
         assert res["type"] == "ParallelConfigError" and "model.adapter" in res["message"], res
         assert not res["pg"]
+
+
+def test_sequence_parallel_scope():
+    plan = plan_tensor_parallel(GPTModule(**SMALL), 2, "auto", sequence_parallel=True)
+    names = {fqn: name for fqn, (name, _) in plan.styles.items()}
+    assert names["model.transformer.ln_f"] == "norm" and names["model.transformer.h.0.mlp"] == "gather_seq"
+    with pytest.raises(ParallelConfigError, match=r"`sequence_parallel=True` is not supported for module .*LlamaForCausalLM"):
+        plan_tensor_parallel(HFCausalLM("llama"), 2, "auto", sequence_parallel=True)
+    with pytest.raises(ParallelConfigError, match=r"applied by tp_plan='auto'"):
+        plan_tensor_parallel(GPTModule(**SMALL), 2, {"*.c_fc": "colwise"}, sequence_parallel=True)
+    with pytest.raises(ParallelConfigError, match=r"needs `tensor_parallel_size>1`"):
+        NPUHybridStrategy(sequence_parallel=True)

@@ -198,6 +198,66 @@ class _Replicate(ParallelStyle):
         return "Replicate()"
 
 
+def _seq_gather(t: torch.Tensor, mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, mesh, [Shard(seq_dim)], run_check=False)
+    return t.redistribute(mesh, [Replicate()]).to_local()
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism: all-gather the sequence-sharded hidden states entering a block (attention or MLP).
+
+    Placed on the block rather than on its first projection, so a block that reads its input's shape
+    (``b, t, _ = x.shape``) sees the whole sequence. The block's last projection (row-parallel with
+    ``output_layouts=Shard(1)``) reduce-scatters back to sequence shards.
+    """
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args and isinstance(args[0], torch.Tensor):
+                args = (_seq_gather(args[0], device_mesh, self.seq_dim), *args[1:])
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                kwargs = {**kwargs, "hidden_states": _seq_gather(kwargs["hidden_states"], device_mesh, self.seq_dim)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+class ShardSequenceOutput(ParallelStyle):
+    """Sequence parallelism for a replicated module (position embedding): keep this rank's sequence slice
+    of its output (dim ``-2`` of ``[..., seq, hidden]``); no communication forward, all-gather backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            dt = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return dt.redistribute(device_mesh, [Shard(output.dim() - 2)]).to_local()
+
+        module.register_forward_hook(shard)
+        return module
+
+
+def _sequence_parallel_style(name: str, module: nn.Module) -> ParallelStyle:
+    """The `name` style with activations sequence-sharded (dim 1) between blocks."""
+    if name == "vocab" and isinstance(module, nn.Embedding):
+        return Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))
+    if name == "vocab":
+        return Colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    if name == "rowwise":
+        return Rowwise(output_layouts=Shard(1))
+    if name == "position":
+        return ShardSequenceOutput()
+    if name == "norm":
+        return SequenceParallel(use_local_output=True)
+    if name == "gather_seq":
+        return GatherSequence()
+    return style_from_name(name, module)
+
+
 def style_from_name(name: str, module: nn.Module) -> ParallelStyle:
     """The ParallelStyle a ``tp_plan`` style name means for `module`.
 
@@ -238,6 +298,7 @@ class TensorParallelPlan:
     local_heads: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     replicated: list[str] = field(default_factory=list)
     applied: bool = False
+    sequence_parallel: bool = False
 
     @property
     def vocab_parallel_head(self) -> bool:
@@ -247,7 +308,8 @@ class TensorParallelPlan:
         )
 
     def report(self) -> str:
-        lines = [f"tensor parallel (tp={self.tp_size}): {len(self.styles)} module(s) sharded"]
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        lines = [f"tensor parallel (tp={self.tp_size}{sp}): {len(self.styles)} module(s) in the plan"]
         lines += [f"  {fqn}: {name}" for fqn, (name, _) in self.styles.items()]
         for fqn, attrs in self.local_heads.items():
             lines.append(f"  {fqn}: " + ", ".join(f"{a} {g} -> {l}" for a, (g, l) in attrs.items()))
@@ -310,7 +372,9 @@ def _head_counts(module: nn.Module) -> dict[str, int]:
     return found
 
 
-def plan_tensor_parallel(model: nn.Module, tp_size: int, tp_plan: Any = "auto") -> TensorParallelPlan:
+def plan_tensor_parallel(
+    model: nn.Module, tp_size: int, tp_plan: Any = "auto", sequence_parallel: bool = False
+) -> TensorParallelPlan:
     """Resolve `tp_plan` for `model` and validate it against `tp_size`; raises ParallelConfigError.
 
     No process group is needed: the strategy calls this before ``init_process_group``.
@@ -318,6 +382,8 @@ def plan_tensor_parallel(model: nn.Module, tp_size: int, tp_plan: Any = "auto") 
     plan = TensorParallelPlan(tp_size)
     if tp_size == 1 or tp_plan is None:
         return plan
+    if sequence_parallel:
+        _check_sequence_parallel(model, tp_plan)
     modules = dict(model.named_modules())
     vocab_sizes = {m.num_embeddings for f, m in modules.items()
                    if isinstance(m, nn.Embedding) and f.rsplit(".", 1)[-1] in VOCAB_EMBEDDING_NAMES}
@@ -361,7 +427,49 @@ def plan_tensor_parallel(model: nn.Module, tp_size: int, tp_plan: Any = "auto") 
                 else:
                     plan.styles[fqn] = (style, style_from_name(style, modules[fqn]))
     _validate(plan, modules)
+    if sequence_parallel:
+        _make_sequence_parallel(plan, modules)
     return plan
+
+
+def _check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
+    if tp_plan != "auto":
+        raise ParallelConfigError(
+            "`sequence_parallel=True` is applied by tp_plan='auto'; with a dict plan leave sequence_parallel=False "
+            "and put the layouts in the plan ('sequence' style, DTensor SequenceParallel/PrepareModuleInput objects)."
+        )
+    for fqn, module in model.named_modules():
+        for cls in type(module).__mro__:
+            if cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers"):
+                raise ParallelConfigError(
+                    f"`sequence_parallel=True` is not supported for module {fqn or type(model).__name__} "
+                    f"({type(module).__name__}): transformers models derive positions and the attention mask from "
+                    "the embedding output's length, which sequence parallelism shards. It supports nanoGPT-style "
+                    "models (positions from the input ids); set sequence_parallel=False."
+                )
+
+
+def _make_sequence_parallel(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
+    """Rewrite a resolved auto plan so activations are sequence-sharded between blocks."""
+    blocks = {fqn.rpartition(".")[0] for fqn, (name, _) in plan.styles.items()
+              if name in ("colwise", "qkv", "gate_up")}
+    styles: dict[str, tuple[str, ParallelStyle]] = {}
+    for fqn in sorted(blocks):
+        styles[fqn] = ("gather_seq", GatherSequence())
+    for fqn, (name, _) in plan.styles.items():
+        styles[fqn] = (name, _sequence_parallel_style(name, modules[fqn]))
+    replicated = []
+    for fqn in plan.replicated:
+        module = modules[fqn]
+        if isinstance(module, nn.Embedding):
+            styles[fqn] = ("position", ShardSequenceOutput())
+        elif all(p.dim() == 1 for p in module.parameters(recurse=False)):
+            styles[fqn] = ("norm", _sequence_parallel_style("norm", module))
+        else:
+            replicated.append(fqn)
+    plan.styles = styles
+    plan.replicated = replicated
+    plan.sequence_parallel = True
 
 
 def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
