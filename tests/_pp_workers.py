@@ -1,0 +1,121 @@
+"""Module-level pipeline-parallel training functions that `lightning_npu.launch.spawn` runs in real processes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+import lightning_npu  # noqa: F401
+from examples.gpt.data import TextDataModule
+from examples.gpt.model import GPTModule
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
+from tests._gpt_workers import SMALL_GPT, LossRecorder
+
+# 4 blocks: room for pp=2 x 2 virtual stages (interleaved 1F1B)
+PP_GPT = {**SMALL_GPT, "n_layer": 4}
+
+
+class GradNormRecorder(L.Callback):
+    """The global gradient norm HybridPrecision computed for clipping (logged as grad_norm), every step."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        norm = trainer.callback_metrics.get("grad_norm")
+        if norm is not None:
+            self.norms.append(float(norm))
+
+
+def train_pp(
+    devices: int,
+    global_batch: int,
+    steps: int,
+    strategy_kwargs: Optional[dict[str, Any]] = None,
+    model_kwargs: Optional[dict[str, Any]] = None,
+    ckpt_dir: Optional[str] = None,
+    ckpt_in: Optional[str] = None,
+    limit_train_batches: Optional[int] = None,
+    gradient_clip_val: Optional[float] = None,
+    accumulate_grad_batches: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Train the 4-block GPT example; returns logged losses, the validation loss and this rank's (full) state."""
+    L.seed_everything(seed, verbose=False)
+    strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
+    model = GPTModule(**{**PP_GPT, **(model_kwargs or {})})
+    recorder, norms = LossRecorder(), GradNormRecorder()
+    callbacks: list[L.Callback] = [recorder, norms]
+    if ckpt_dir is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
+    cfg = strategy.parallel_config
+    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        val_check_interval=None,
+        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
+        gradient_clip_val=gradient_clip_val,
+        accumulate_grad_batches=accumulate_grad_batches,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
+    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    state = full_state_dict(model) if is_tensor_parallel(model) else model.state_dict()
+    runner = getattr(trainer.strategy, "_pipeline", None)
+    return {
+        "logged": recorder.logged,
+        "local": recorder.local,
+        "grad_norms": norms.norms,
+        "state": {k: v.detach().clone().cpu() for k, v in state.items()},
+        "val_loss": float(val),
+        "global_step": trainer.global_step,
+        "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
+        "stages": runner.local_stages if runner is not None else None,
+        "plan": str(trainer.strategy.pipeline_plan) if trainer.strategy.pipeline_plan is not None else None,
+        "local_numel": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def predict_pp(devices: int, batch: int, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """trainer.predict through the pipeline (no fit): the last stage returns the logits."""
+    L.seed_everything(0, verbose=False)
+    model = GPTModule(**PP_GPT)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=batch, shuffle=False)
+    data.setup()
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.val_set, range(batch)), batch_size=batch)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=NPUHybridStrategy(**strategy_kwargs),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    out = trainer.predict(model, dataloaders=loader)
+    return {"out": None if out[0] is None else out[0].detach().clone()}
+
+
+def expect_error(devices: int, strategy_kwargs: dict[str, Any], model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Trainer.fit with a pipeline layout that must be refused: the error and whether a process group existed."""
+    import torch.distributed as dist
+
+    model = GPTModule(**{**PP_GPT, **model_kwargs})
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=NPUHybridStrategy(**strategy_kwargs),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=2, shuffle=False)
+    try:
+        trainer.fit(model, datamodule=data)
+    except Exception as err:  # noqa: BLE001
+        return {"type": type(err).__name__, "message": str(err), "pg": dist.is_initialized()}
+    return {"type": None, "message": "", "pg": dist.is_initialized()}
