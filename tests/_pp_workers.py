@@ -76,6 +76,13 @@ def train_pp(
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    # predictions for 4 validation samples: through the pipeline (the last stage returns the logits), or directly
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.val_set, range(4)), batch_size=4)
+    if cfg.pipeline_parallel_size > 1:
+        logits = trainer.predict(model, dataloaders=loader)[0]
+    else:
+        with torch.no_grad():
+            logits = model(next(iter(loader))[0])
     state = full_state_dict(model) if is_tensor_parallel(model) else model.state_dict()
     runner = getattr(trainer.strategy, "_pipeline", None)
     return {
@@ -89,20 +96,8 @@ def train_pp(
         "stages": runner.local_stages if runner is not None else None,
         "plan": str(trainer.strategy.pipeline_plan) if trainer.strategy.pipeline_plan is not None else None,
         "local_numel": sum(p.numel() for p in model.parameters()),
+        "logits": None if logits is None else logits.detach().clone(),
     }
-
-
-def predict_pp(devices: int, batch: int, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """trainer.predict through the pipeline (no fit): the last stage returns the logits."""
-    L.seed_everything(0, verbose=False)
-    model = GPTModule(**PP_GPT)
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=batch, shuffle=False)
-    data.setup()
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.val_set, range(batch)), batch_size=batch)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=NPUHybridStrategy(**strategy_kwargs),
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
-    out = trainer.predict(model, dataloaders=loader)
-    return {"out": None if out[0] is None else out[0].detach().clone()}
 
 
 def expect_error(devices: int, strategy_kwargs: dict[str, Any], model_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -610,7 +610,10 @@ class PipelineRunner:
         schedule = self._schedule("predict", m, self._shape_key(inputs))
         args = (inputs,) if self.has_first else ()
         out = schedule.step(*args)
-        return out if self.has_last else None
+        if not self.has_last:
+            return None
+        # vocab-parallel logits (tensor parallelism) come back as one full tensor (gathered over tp)
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
 def bubble_fraction(pp_size: int, micro_batches: int, virtual_stages: int = 1) -> float:
