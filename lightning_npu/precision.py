@@ -21,9 +21,9 @@ so they are not relied on):
   name ends in ``LayerNorm``/``RMSNorm``/``RmsNorm`` such as ``transformers``' ``LlamaRMSNorm``, and
   ``nn.Softmax``/``nn.LogSoftmax``/any class whose name ends in ``Softmax`` such as the example's
   ``CausalSoftmax``) get a forward pre-hook that upcasts floating inputs to fp32 and disables
-  autocast for the module's device type, and a forward hook (``always_call``) that restores autocast
-  and casts floating outputs back to the dtype the module received. Their parameters stay fp32 in
-  the ``*-true`` modes. Hooks, not wrappers: module identity and ``state_dict`` keys are unchanged,
+  autocast for the module's device type and enters the function mode below (so 16-bit norm weights
+  in the ``*-true`` modes are upcast too), and a forward hook (``always_call``) that leaves both and
+  casts floating outputs back to the dtype the module received. Hooks, not wrappers: module identity and ``state_dict`` keys are unchanged,
   and activation-checkpoint recomputation re-runs them identically.
 * **Functional calls** during the forward (``torch.softmax``/``F.softmax``/``Tensor.softmax``, the
   ``log_softmax`` variants, ``F.layer_norm``/``F.rms_norm``/``F.group_norm``, and the losses
@@ -58,7 +58,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_npu.parallel import grad_norm as gn
 
@@ -189,8 +189,9 @@ def _island_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     if x is None:
         stack.append((None, None))
         return args, kwargs
-    ctx = torch.autocast(x.device.type, enabled=False)
-    ctx.__enter__()
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(torch.autocast(x.device.type, enabled=False))
+    ctx.enter_context(FP32FunctionMode())  # 16-bit weights (bf16-true) join the fp32 math too
     stack.append((ctx, x.dtype))
     return tree_map(_upcast, args), tree_map(_upcast, kwargs)
 
@@ -201,7 +202,7 @@ def _island_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any)
         return output
     ctx, dtype = stack.pop()
     if ctx is not None:
-        ctx.__exit__(None, None, None)
+        ctx.close()
     if dtype in _HALF:
         return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.dtype == torch.float32 else t, output)
     return output
@@ -246,7 +247,11 @@ class FP32FunctionMode(TorchFunctionMode):
         if not (is_softmax or func in _NORM_FUNCS or func in _LOSS_FUNCS):
             return func(*args, **kwargs)
         x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, Tensor) or x.dtype not in _HALF:
+        if not isinstance(x, Tensor):
+            return func(*args, **kwargs)
+        # softmax: a 16-bit input; norms and losses: any 16-bit tensor argument (input, weight, bias)
+        half_args = [t for t in (args, kwargs) for t in tree_flatten(t)[0] if isinstance(t, Tensor) and t.dtype in _HALF]
+        if not half_args or (is_softmax and x.dtype not in _HALF):
             return func(*args, **kwargs)
         in_dtype = x.dtype
         args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
@@ -421,10 +426,9 @@ class HybridPrecision(Precision):
         if self._half_dtype is None:
             return module
         if self._true_half:
+            # all parameters 16-bit (ZeroRedundancyOptimizer needs one dtype); norms upcast their weights
+            # inside the fp32 island and the optimizer steps fp32 master copies
             module.to(dtype=self._half_dtype)
-            for m in module.modules():  # norm parameters stay fp32: the norm computes in fp32
-                if is_fp32_norm(m):
-                    m.float()
         install_fp32_islands(module)
         return module
 

@@ -82,6 +82,7 @@ def train(
     ckpt_in: Optional[str] = None,
     reference_strategy: bool = False,
     seed: int = 0,
+    limit_train_batches: Optional[int] = None,
 ) -> dict[str, Any]:
     """Train the tiny GPT. `reference_strategy=True` uses Lightning's own single-device strategy (no lightning-npu)."""
     L.seed_everything(seed, verbose=False)
@@ -110,6 +111,8 @@ def train(
         devices=devices,
         max_steps=steps,
         limit_val_batches=0,
+        # resume at an epoch boundary: Lightning restarts a mid-epoch dataloader from the epoch's start
+        limit_train_batches=limit_train_batches,
         logger=False,
         enable_checkpointing=ckpt_dir is not None,
         enable_progress_bar=False,
