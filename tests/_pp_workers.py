@@ -93,6 +93,7 @@ def train_pp(
         "val_loss": float(val),
         "global_step": trainer.global_step,
         "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
+        "dp_rank": trainer.strategy.device_mesh["dp"].get_local_rank(),
         "stages": runner.local_stages if runner is not None else None,
         "plan": str(trainer.strategy.pipeline_plan) if trainer.strategy.pipeline_plan is not None else None,
         "local_numel": sum(p.numel() for p in model.parameters()),
