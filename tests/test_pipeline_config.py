@@ -38,6 +38,13 @@ def test_module_without_pipeline_loss():
         plan_pipeline(NoLoss(**PP_GPT), 2)
 
 
+def test_manual_optimization_is_refused():
+    model = gpt(2)
+    model.automatic_optimization = False
+    with pytest.raises(PipelineLayoutError, match="automatic_optimization=False.*not supported"):
+        plan_pipeline(model, 2)
+
+
 def test_automatic_split_of_the_gpt_example():
     plan = plan_pipeline(gpt(4), 2)
     assert plan.blocks == "model.transformer.h"

@@ -225,6 +225,12 @@ def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
             "`pipeline_loss(self, output, target)`, the loss the last stage computes from its output for one "
             "micro-batch, e.g. `return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())`."
         )
+    if not getattr(module, "automatic_optimization", True):
+        raise PipelineLayoutError(
+            f"`pipeline_parallel_size={pp_size}` with {type(module).__name__}.automatic_optimization=False: the pipeline "
+            "schedule runs forward and backward for you, so manual optimization is not supported; use automatic "
+            "optimization (gradient clipping and accumulation are supported through the Trainer flags)."
+        )
     if layout.balance not in ("count", "params"):
         raise PipelineLayoutError(f"pipeline_layout balance={layout.balance!r} must be 'count' or 'params'.")
     virtual = 1
