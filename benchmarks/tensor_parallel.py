@@ -2,7 +2,8 @@
 against Lightning's `ModelParallelStrategy(tensor_parallel_size=2)` with the equivalent hand-written
 DTensor plan in `configure_model`, side by side in one run; plus tp=1 for the memory baseline.
 
-Reports median tokens/s (a step ends when the slowest rank ends it) and, per rank, the bytes of
+Reports median tokens/s (a step ends when the slowest rank ends it), median tokens per CPU-second of
+the busiest rank (less sensitive to other jobs on shared cores) and, per rank, the bytes of
 parameters + gradients + optimizer state (AdamW: 2 moments), in total and excluding the parameters
 that tensor parallelism leaves replicated (LayerNorms and the position embedding).
 
@@ -64,6 +65,23 @@ class MemoryProbe(L.Callback):
             }
 
 
+class CPUTimer(L.Callback):
+    """Process CPU seconds of every step after `warmup`: robust to other jobs sharing the cores (gloo waits
+    block rather than spin, so this is the compute and communication work each rank does)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t0 = time.process_time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step > self.warmup:
+            self.times.append(time.process_time() - self._t0)
+
+
 def _hand_tp_module():
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -112,14 +130,14 @@ def worker(name: str, steps: int, warmup: int) -> dict[str, Any]:
         model = GPTModule(**MODEL)
     devices = 1 if name == "npu_hybrid_tp1" else TP
     data = TextDataModule(block_size=MODEL["block_size"], batch_size=BATCH, shuffle=False)
-    timer, probe = StepTimer(warmup), MemoryProbe()
+    timer, cpu, probe = StepTimer(warmup), CPUTimer(warmup), MemoryProbe()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision="32-true", max_steps=steps + warmup,
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[timer, probe],
+        enable_model_summary=False, callbacks=[timer, cpu, probe],
     )
     trainer.fit(model, datamodule=data)
-    return {"step_times": timer.times, "bytes": probe.bytes, "final_loss": float(trainer.callback_metrics["train_loss"])}
+    return {"step_times": timer.times, "cpu_times": cpu.times, "bytes": probe.bytes, "final_loss": float(trainer.callback_metrics["train_loss"])}
 
 
 def _memory(per_param: dict[str, dict[str, int]], sharded_names: set[str]) -> dict[str, int]:
@@ -137,8 +155,8 @@ def main() -> None:
 
     world = {"npu_hybrid_tp2": TP, "model_parallel": TP, "npu_hybrid_tp1": 1}
     raw: dict[str, list[dict]] = {n: [] for n in world}
-    for _ in range(args.repeats):
-        for name in ("npu_hybrid_tp2", "model_parallel"):
+    for i in range(args.repeats):
+        for name in (("npu_hybrid_tp2", "model_parallel") if i % 2 == 0 else ("model_parallel", "npu_hybrid_tp2")):
             raw[name].append(spawn(worker, world[name], name, args.steps, args.warmup))
     raw["npu_hybrid_tp1"].append(spawn(worker, 1, "npu_hybrid_tp1", 2, 1))
 
@@ -152,8 +170,11 @@ def main() -> None:
         entry: dict[str, Any] = {"memory_per_rank": [_memory(r["bytes"], sharded_names) for r in repeats[0]]}
         if name != "npu_hybrid_tp1":
             step_times = [max(ts) for ranks in repeats for ts in zip(*(r["step_times"] for r in ranks))]
+            cpu_times = [max(ts) for ranks in repeats for ts in zip(*(r["cpu_times"] for r in ranks))]
             entry.update(tokens_per_s_median=tokens_per_step / median(step_times),
                          step_time_s_median=median(step_times), timed_steps=len(step_times),
+                         tokens_per_cpu_s_median=tokens_per_step / median(cpu_times),
+                         step_cpu_s_median=median(cpu_times),
                          final_loss=repeats[0][0]["final_loss"])
         results[name] = entry
 
@@ -161,6 +182,7 @@ def main() -> None:
     tp1_mem = tp1["memory_per_rank"][0]
     summary = {
         "tokens_per_s_ratio_vs_model_parallel": ours["tokens_per_s_median"] / theirs["tokens_per_s_median"],
+        "tokens_per_cpu_s_ratio_vs_model_parallel": ours["tokens_per_cpu_s_median"] / theirs["tokens_per_cpu_s_median"],
         "bytes_ratio_tp2_over_tp1_excluding_replicated": max(
             m["excluding_replicated_bytes"] for m in ours["memory_per_rank"]) / tp1_mem["excluding_replicated_bytes"],
         "bytes_ratio_tp2_over_tp1_total": max(
@@ -177,7 +199,8 @@ def main() -> None:
     print(f"wrote {path}")
     for name, entry in results.items():
         if "tokens_per_s_median" in entry:
-            print(f"{name:16s} {entry['tokens_per_s_median']:10.0f} tokens/s  step {entry['step_time_s_median']*1e3:7.1f} ms")
+            print(f"{name:16s} {entry['tokens_per_s_median']:10.0f} tokens/s  step {entry['step_time_s_median']*1e3:7.1f} ms"
+                  f"  {entry['tokens_per_cpu_s_median']:10.0f} tokens/cpu-s")
         print(f"{'':16s} per-rank bytes: {entry['memory_per_rank']}")
     for k, v in summary.items():
         print(f"{k}: {v}")
