@@ -14,7 +14,7 @@ from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
 
 def _fit(tmp_path, max_steps, callbacks, **module_kw):
     model = StepSeeded(**module_kw)
-    trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs(tmp_path, max_steps))
+    trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs(tmp_path, max_steps, log_every_n_steps=1))
     trainer.fit(model)
     return model, trainer
 

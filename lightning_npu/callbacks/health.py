@@ -158,7 +158,8 @@ class GradientHealthGuard(Callback):
         ])
         severity = int(agreed[0])
         flagged = [c for c, f in zip(CHECKS, agreed[1:]) if f > 0]
-        self._log(pl_module, {"health/grad_norm": grad_norm, "health/grad_variance": grad_var, "health/loss": loss_value})
+        if flags or trainer.global_step % max(1, trainer.log_every_n_steps) == 0:  # loggers write at this cadence anyway
+            self._log(pl_module, {"health/grad_norm": grad_norm, "health/grad_variance": grad_var, "health/loss": loss_value})
         self._act(trainer, pl_module, optimizer, params, severity, flagged,
                   {"grad_norm": grad_norm, "grad_variance": grad_var, "loss": loss_value})
         if severity < ACTIONS["skip"]:
