@@ -115,3 +115,8 @@ def expect_error(devices: int, strategy_kwargs: dict[str, Any], model_kwargs: di
     except Exception as err:  # noqa: BLE001
         return {"type": type(err).__name__, "message": str(err), "pg": dist.is_initialized()}
     return {"type": None, "message": "", "pg": dist.is_initialized()}
+
+
+def expect_errors(devices: int, cases: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`expect_error` for several (strategy_kwargs, model_kwargs) cases in the same processes, in order."""
+    return [expect_error(devices, strategy_kwargs, model_kwargs) for strategy_kwargs, model_kwargs in cases]

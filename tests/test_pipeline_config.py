@@ -8,7 +8,7 @@ from lightning_npu import NPUHybridStrategy
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.config import ParallelConfigError
 from lightning_npu.parallel.pipeline import PipelineLayoutError, balance_blocks, bubble_fraction, plan_pipeline
-from tests._pp_workers import PP_GPT, expect_error
+from tests._pp_workers import PP_GPT, expect_errors
 
 
 def gpt(n_layer: int = 4) -> GPTModule:
@@ -91,13 +91,16 @@ def test_bubble_model():
     assert bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(3 / 19)
 
 
-def test_fit_refuses_before_any_process_group():
-    """pp=2 on a 1-block model: Trainer.fit raises in both processes before init_process_group."""
-    results = spawn(expect_error, 2, 2, {"pipeline_parallel_size": 2}, {"n_layer": 1})
-    for r in results:
-        assert r["type"] == "PipelineLayoutError", r
-        assert "pipeline_parallel_size=2` is larger than the 1 blocks of `model.transformer.h`" in r["message"]
-        assert r["pg"] is False
+def test_fit_errors_in_real_processes():
+    """pp=2 on a 1-block model: Trainer.fit raises in both processes before init_process_group; then a per-rank
+    batch of 2 with micro_batches=3 is refused at the first training step."""
+    cases = [({"pipeline_parallel_size": 2}, {"n_layer": 1}), ({"pipeline_parallel_size": 2, "micro_batches": 3}, {})]
+    for too_deep, not_divisible in spawn(expect_errors, 2, 2, cases):
+        assert too_deep["type"] == "PipelineLayoutError", too_deep
+        assert "pipeline_parallel_size=2` is larger than the 1 blocks of `model.transformer.h`" in too_deep["message"]
+        assert too_deep["pg"] is False
+        assert not_divisible["type"] == "ParallelConfigError", not_divisible
+        assert "per-rank batch of 2 samples is not divisible by `micro_batches=3`" in not_divisible["message"]
 
 
 def test_block_lists_are_found_by_parameter_count():
@@ -107,10 +110,3 @@ def test_block_lists_are_found_by_parameter_count():
             self.adapters = nn.ModuleList([nn.Identity()])  # no parameters: not the blocks
 
     assert plan_pipeline(Wrapper(), 2).blocks == "model.transformer.h"
-
-
-def test_batch_not_divisible_by_micro_batches():
-    results = spawn(expect_error, 2, 2, {"pipeline_parallel_size": 2, "micro_batches": 3}, {})
-    for r in results:
-        assert r["type"] == "ParallelConfigError", r
-        assert "per-rank batch of 2 samples is not divisible by `micro_batches=3`" in r["message"]
