@@ -67,9 +67,10 @@ class ShardedStrategyMixin:
         return self._ckpt_writer
 
     def _sharded_checkpoints(self) -> bool:
-        # tensor parallelism (strategy.py) saves consolidated single-file checkpoints for now
+        # tensor parallelism with plain local shards (zero 0/1, strategy.py) saves consolidated single-file
+        # checkpoints for now; under ZeRO 2/3 its parameters are 2-D (dp, tp) DTensors: DCP directories
         tp_active = getattr(self, "_tp_active", None)
-        return not (tp_active is not None and tp_active())
+        return not (tp_active is not None and tp_active() and not self._is_fully_sharded())
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -152,7 +152,10 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
 
             self.fusion_report = rewrite_modules(model, device=self.root_device)
         if self.parallel_config.zero_stage in (2, 3):
-            return self._fully_shard(model)  # FSDP2 over mesh["dp"] (ShardedStrategyMixin); no DDP wrapper
+            # tp first, parameters kept as DTensors on mesh["tp"]; FSDP2 over mesh["dp"] then makes them 2-D
+            # (dp, tp) DTensors, as torchtitan composes them. No DDP wrapper.
+            self._apply_tensor_parallel(model, localize=False)
+            return self._fully_shard(model)  # (ShardedStrategyMixin)
         sharded = self._apply_tensor_parallel(model)
         if self.parallel_config.pipeline_parallel_size > 1:
             # no DDP wrapper: the pipeline schedule runs forward and backward (DDP's forward never runs), and
@@ -188,8 +191,12 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             )
         return self.tp_report
 
-    def _apply_tensor_parallel(self, model: torch.nn.Module) -> list[str]:
-        """Shard `model` over mesh["tp"] and localize its DTensor parameters for DDP; returns their names."""
+    def _apply_tensor_parallel(self, model: torch.nn.Module, localize: bool = True) -> list[str]:
+        """Shard `model` over mesh["tp"] and localize its DTensor parameters for DDP; returns their names.
+
+        ``localize=False`` (ZeRO 2/3) keeps DTensor parameters for FSDP2 and records the fused projections'
+        layout as ``model._lnpu_fused`` (FQN -> (dim, parts, tp)) for full-tensor state dicts.
+        """
         from lightning_npu.parallel import tensor as tp
 
         model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
@@ -207,11 +214,19 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             )
         if not plan.applied:
             tp.apply_tensor_parallel(model, self.device_mesh["tp"], plan)
-            tp.localize_parameters(model)
+            if localize:
+                tp.localize_parameters(model)
+            else:
+                model._lnpu_fused = tp.fused_parameters(model)
         return [n for n, p in model.named_parameters() if getattr(p, "_lnpu_tp", None) is not None]
 
     def _tp_active(self) -> bool:
         return self.tp_report is not None and self.tp_report.applied
+
+    def _tp_localized(self) -> bool:
+        """TP with plain local shards (zero 0/1): consolidated single-file checkpoints. Under ZeRO 2/3 the
+        parameters are 2-D DTensors and checkpoints are DCP directories (ShardedStrategyMixin)."""
+        return self._tp_active() and not self._is_fully_sharded()
 
     def _loss_context(self) -> Any:
         if self._tp_active() and self.tp_report.vocab_parallel_head:
@@ -275,21 +290,21 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 "tensor_parallel_size=1 (pp checkpoints are per-stage DCP directories) or disable checkpointing."
             )
         state = super().lightning_module_state_dict()
-        if not self._tp_active():
+        if not self._tp_localized():
             return state
         from lightning_npu.parallel.tensor import full_state_dict
 
         return full_state_dict(self.lightning_module, state)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._tp_active():
+        if not self._tp_localized():
             return super().load_model_state_dict(checkpoint, strict=strict)
         from lightning_npu.parallel.tensor import load_full_state_dict
 
         load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if not self._tp_active():
+        if not self._tp_localized():
             return super().optimizer_state(optimizer)
         from lightning_npu.parallel.tensor import full_optimizer_state_dict
 
@@ -305,7 +320,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         return state if self.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._tp_active():
+        if not self._tp_localized():
             return super().load_optimizer_state_dict(checkpoint)
         from lightning_npu.parallel.tensor import shard_optimizer_state_dict
 

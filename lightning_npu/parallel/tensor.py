@@ -641,6 +641,49 @@ def is_tensor_parallel(model: nn.Module) -> bool:
     return any(_spec_of(p) is not None for p in model.parameters())
 
 
+# ---- DTensor parameters kept as DTensors (ZeRO 2/3: FSDP2 over mesh["dp"] on top, 2-D (dp, tp)) --------
+def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """FQN -> (dim, parts, tp) of the rank-major reordered fused DTensor parameters (read before FSDP2
+    replaces the parameter objects; the strategy keeps the map as ``model._lnpu_fused``)."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        fused = getattr(p, "_lnpu_fused", None)
+        if isinstance(p, DTensor) and fused is not None and fused[1] > 1:
+            out[name] = (fused[0], fused[1], p.device_mesh.size())
+    return out
+
+
+def unfuse_full_tensors(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Full tensors gathered from DTensor parameters hold fused projections rank-major: restore the original
+    (part-major) layout. `full` keys may carry `prefix` (e.g. ``"state."`` for optimizer entries)."""
+    out = dict(full)
+    for key, value in full.items():
+        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
+        for fqn, (dim, parts, tp) in fused.items():
+            if (name == fqn or name.startswith(fqn + ".")) and isinstance(value, torch.Tensor) and value.dim() > dim:
+                out[key] = _part_major(value, dim, parts, tp)
+    return out
+
+
+def refuse_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Inverse of :func:`unfuse_full_tensors`: original layout -> the rank-major layout of `fused`'s tp size."""
+    out = dict(full)
+    for key, value in full.items():
+        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
+        for fqn, (dim, parts, tp) in fused.items():
+            if (name == fqn or name.startswith(fqn + ".")) and isinstance(value, torch.Tensor) and value.dim() > dim:
+                out[key] = _rank_major(value, dim, parts, tp)
+    return out
+
+
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full, original-layout tensors of a model with DTensor parameters (FSDP2 and/or TP): collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return unfuse_full_tensors(sd, getattr(model, "_lnpu_fused", {}))
+
+
 def _param_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters(remove_duplicate=False))
 

@@ -1,0 +1,93 @@
+"""Module-level workers for ZeRO 2/3 x tensor parallelism (run in real processes by `launch.spawn`).
+
+One spawned process group runs several Trainers in sequence (as `tests._zero_workers.run_many`), so the
+4-process start-up is paid once per test module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+import lightning_npu  # noqa: F401
+from examples.gpt.data import TextDataModule
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel import data as data_parallel
+from lightning_npu.parallel.tensor import gathered_state_dict
+from tests._gpt_workers import LossRecorder
+from tests._tp_workers import _make_model
+from tests._zero_workers import _world
+
+
+class ParamBytes(L.Callback):
+    """Per-parameter bytes this rank holds between steps (its (dp, tp) shard under ZeRO 3 x TP)."""
+
+    def __init__(self) -> None:
+        self.per_param: dict[str, int] = {}
+        self.total: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.per_param = {n: data_parallel._local_bytes(p) for n, p in pl_module.named_parameters()}
+        self.total.append(data_parallel.parameter_bytes(pl_module))
+
+
+def train_zero_tp(
+    strategy_kwargs: dict[str, Any],
+    steps: int,
+    global_batch: int = 8,
+    ckpt_dir: Optional[str] = None,
+    ckpt_in: Optional[str] = None,
+    limit_train_batches: Optional[int] = None,
+    arch: str = "gpt",
+    seed: int = 0,
+) -> dict[str, Any]:
+    devices = _world()
+    L.seed_everything(seed, verbose=False)
+    strategy = NPUHybridStrategy(**strategy_kwargs)
+    model = _make_model(arch, None)
+    recorder, probe = LossRecorder(), ParamBytes()
+    callbacks: list[L.Callback] = [recorder, probe]
+    if ckpt_dir is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
+    cfg = strategy.parallel_config
+    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=2,
+        val_check_interval=None,
+        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
+    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    state = gathered_state_dict(model)
+    return {
+        "logged": recorder.logged,
+        "state": {k: v.detach().clone().cpu() for k, v in state.items()},
+        "val_loss": float(val),
+        "global_step": trainer.global_step,
+        "optimizer": type(trainer.strategy.optimizers[0]).__name__,
+        "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
+        "fully_sharded": data_parallel.is_fully_sharded(model),
+        "placements": {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()},
+        "param_bytes": probe.per_param,
+        "param_bytes_total": probe.total,
+        "report": str(trainer.strategy.tp_report) if trainer.strategy.tp_report is not None else None,
+    }
+
+
+def run_many(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [train_zero_tp(**c) for c in configs]
