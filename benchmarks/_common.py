@@ -46,6 +46,7 @@ def run_gpt(
     precision: str = "32-true",
     accelerator: str = "cpu",
     callbacks: Optional[list] = None,
+    plugins: Optional[list] = None,
 ) -> dict[str, Any]:
     from examples.gpt.data import TextDataModule
     from examples.gpt.model import GPTModule
@@ -58,7 +59,8 @@ def run_gpt(
         accelerator=accelerator,
         devices=devices,
         strategy=strategy,
-        precision=precision,
+        precision=None if plugins else precision,
+        plugins=plugins,
         max_steps=steps + warmup,
         limit_val_batches=0,
         logger=False,
