@@ -26,10 +26,12 @@ class LossRecorder(L.Callback):
     def __init__(self) -> None:
         self.logged: list[float] = []
         self.local: list[float] = []
+        self.lr: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
         self.local.append(float(outputs["loss"].detach()))
+        self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
 
 def full_state(pl_module: GPTModule) -> dict[str, torch.Tensor]:
@@ -82,6 +84,7 @@ def train_gpt(
     return {
         "logged": recorder.logged,
         "local": recorder.local,
+        "lr": recorder.lr,
         "state": full_state(model),
         "val_loss": float(val),
         "global_step": trainer.global_step,

@@ -52,3 +52,25 @@ def test_resume_matches_uninterrupted(tmp_path):
     )
     for rank in resumed:
         assert_same_state(rank["state"], full[0]["state"])
+
+
+def test_resume_zero1_with_warmup_scheduler_matches_uninterrupted(tmp_path):
+    """ZeRO-1 + a step-interval LR scheduler still warming up at the checkpoint (LambdaLR, 4 warmup steps):
+    the checkpoint must hold the lr the scheduler set after step 3 (on the ZeroRedundancyOptimizer's exposed
+    param groups), not the one the local partition optimizer last stepped with; else step 4 runs with step 3's
+    lr and steps 5-6 diverge."""
+    args = (2, 8, 6, {"zero_stage": 1})
+    model_kwargs = {"warmup_steps": 4}
+    full = spawn(train_gpt, 2, *args, str(tmp_path), None, "32-true", model_kwargs, 3)
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())
+    resumed = spawn(train_gpt, 2, *args, None, str(ckpt), "32-true", model_kwargs, 3)
+    # recorded after each step's scheduler step: step 4 runs with lr[2], which differs from step 3's lr[1]
+    lr = full[0]["lr"]
+    assert lr[0] < lr[1] < lr[2] == lr[3], lr
+    assert resumed[0]["global_step"] == 6
+    for r, f in zip(resumed, full):
+        assert r["lr"] == f["lr"][3:]
+        torch.testing.assert_close(torch.tensor(r["logged"]), torch.tensor(f["logged"][3:]), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(r["local"]), torch.tensor(f["local"][3:]), rtol=RTOL, atol=0)
+        assert_same_state(r["state"], f["state"])

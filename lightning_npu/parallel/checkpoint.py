@@ -100,6 +100,13 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 partition or its FSDP shards)."""
     local = _local_optimizer(optimizer)
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(inner, ZeroRedundancyOptimizer):
+        # ZeRO-1: LR schedulers write the exposed (global) param groups; ZeRO copies them into the local
+        # optimizer only at the start of its next step. Between steps (when Lightning saves) the local
+        # groups hold the previous step's lr, so copy the global hyper-parameters first, or the checkpoint
+        # stores (and a resume steps with) an lr one scheduler step stale.
+        ZeroRedundancyOptimizer._sync_param_groups(inner.param_groups, local.param_groups)
     with _nonempty_groups(local):
         return get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
 
