@@ -91,6 +91,8 @@ class ShardedStrategyMixin:
             "data_parallel_size": cfg.resolved_dp,
             "zero_stage": cfg.zero_stage,
             "world_size": self.world_size,
+            # ZeRO 2/3 x TP: fused projections stored rank-major for this tp size (FQN -> (dim, parts, tp))
+            "fused": dict(getattr(self.lightning_module, "_lnpu_fused", None) or {}),
         }
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -138,7 +140,10 @@ class ShardedStrategyMixin:
                 )
             return super().load_checkpoint(path, weights_only=weights_only)
         module = self.lightning_module
-        return ckpt.load_sharded(
+        load = ckpt.load_sharded
+        if ckpt.is_sharded_checkpoint(path) and ckpt.fused_layout_changes(ckpt.read_meta(path), module):
+            load = ckpt.load_sharded_relayout  # another tp size than the ZeRO 2/3 x TP save: full-tensor reload
+        return load(
             path,
             module,
             [_unwrap(o) for o in self.optimizers],

@@ -361,3 +361,76 @@ def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[di
         out[name] = v
     meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
     return out, meta
+
+
+# ---- another tensor-parallel layout of fused projections ---------------------------------------
+def fused_layout_changes(meta: dict[str, Any], module: torch.nn.Module) -> bool:
+    """Whether the checkpoint stores fused projections (q|k|v, gate|up) in another layout than `module` uses.
+
+    Under ZeRO 2/3 x TP the DCP tensors are the parameters' DTensors, whose fused projections are reordered
+    rank-major for the saving tp size (``lightning_npu.parallel.tensor``); any other tp size needs
+    :func:`load_sharded_relayout`."""
+    saved = (meta.get("lightning_npu") or {}).get("fused") or {}
+    current = getattr(module, "_lnpu_fused", None) or {}
+    return bool(saved or current) and saved != current
+
+
+def load_sharded_relayout(
+    path: _PathLike,
+    module: torch.nn.Module,
+    optimizers: list[Optimizer],
+    strict: bool = True,
+    weights_only: bool = False,
+) -> dict[str, Any]:
+    """Collective: :func:`load_sharded` for a checkpoint whose fused projections are laid out for another tp size.
+
+    Every rank reads the full tensors (the model's and its optimizer state's), restores the original layout of
+    the saved fused projections, applies the current one, and keeps its own (dp, tp) shard of each
+    (`distribute_tensor` with ``src_data_rank=None``: local slicing, no communication). Costs a full copy of
+    the state per rank while loading.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from lightning_npu.parallel.tensor import refuse_fused, unfuse_full_tensors
+
+    path = resolve_checkpoint_path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
+    meta = read_meta(path, weights_only=weights_only)
+    saved_fused = (meta.get("lightning_npu") or {}).get("fused") or {}
+    current_fused = getattr(module, "_lnpu_fused", None) or {}
+    stored = checkpoint_tensor_metadata(path)
+
+    def full_like(key: str, value: Any) -> Any:
+        meta_ = stored.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(meta_, TensorStorageMetadata):
+            return torch.empty(tuple(meta_.size), dtype=meta_.properties.dtype)
+        return value
+
+    def shard_like(full: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for k, v in like.items():
+            f = full[k]
+            if isinstance(v, DTensor) and isinstance(f, torch.Tensor) and not isinstance(f, DTensor):
+                f = distribute_tensor(f.to(v.dtype), v.device_mesh, v.placements, src_data_rank=None)
+            elif isinstance(v, torch.Tensor) and isinstance(f, torch.Tensor):
+                f = f.to(device=v.device, dtype=v.dtype)
+            out[k] = f
+        return out
+
+    model_sd = check_model_keys(stored, model_state_dict(module), path, strict)
+    templates: dict[str, Any] = {MODEL_KEY: model_sd}
+    tensors: dict[str, Any] = {MODEL_KEY: {k: full_like(f"{MODEL_KEY}.{k}", v) for k, v in model_sd.items()}}
+    for i, optimizer in enumerate(optimizers):
+        osd = optimizer_state_dict(module, optimizer)
+        check_optimizer_keys(stored, osd, i, path)
+        templates[f"optimizer_{i}"] = osd
+        tensors[f"optimizer_{i}"] = {k: full_like(f"optimizer_{i}.{k}", v) for k, v in osd.items()}
+    dcp.load(tensors, storage_reader=FileSystemReader(str(path)))
+    full_model = refuse_fused(unfuse_full_tensors(tensors[MODEL_KEY], saved_fused), current_fused)
+    set_model_state_dict(module, shard_like(full_model, model_sd), options=StateDictOptions(strict=False))
+    for i, optimizer in enumerate(optimizers):
+        osd = tensors[f"optimizer_{i}"]
+        osd = refuse_fused(unfuse_full_tensors(osd, saved_fused, "state."), current_fused, "state.")
+        load_optimizer_state(module, optimizer, shard_like(osd, templates[f"optimizer_{i}"]))
+    return meta
