@@ -15,6 +15,15 @@ local shards. Stage 2 keeps the all-gathered parameters from forward through bac
 (``reshard_after_forward=False``, no second all-gather); stage 3 frees them after each unit's
 forward and gathers again in backward (``reshard_after_forward=True``). Both reshard after
 backward, so between steps a rank holds 1/dp of the parameters in both stages.
+
+With tensor parallelism (tp > 1) the strategy applies the TP plan first and keeps its parameters
+as DTensors on ``mesh["tp"]`` (no `localize_parameters`); `fully_shard` over ``mesh["dp"]`` then
+turns them into 2-D (dp, tp) DTensors, as torchtitan composes FSDP2 with TP. FSDP2's all-gather
+hands each module back its tp-sharded DTensors, so the TP styles' own input/output hooks run
+unchanged, and DCP saves and reshards the 2-D shards natively. (FSDP2 over the *localized* plain
+shards was rejected: the per-module DTensor-rebuild hooks hold the original parameter objects,
+which FSDP2 replaces, and DCP would see the same key with different contents on the two tp ranks.)
+Replicated-over-tp parameters (norms, position embeddings) stay plain and are sharded over dp only.
 """
 
 from __future__ import annotations
