@@ -11,7 +11,7 @@ Lightning single-file checkpoint (zero 0/1 only).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Generator, Mapping, Optional
 
@@ -95,15 +95,23 @@ class ShardedStrategyMixin:
             "fused": dict(getattr(self.lightning_module, "_lnpu_fused", None) or {}),
         }
 
+    def _masters_as_parameters(self) -> Any:
+        """bf16/16-true: the precision plugin's fp32 master weights stand in for the 16-bit parameters, so that
+        DCP's FQN-keyed state dicts see the tensors the optimizer steps (`HybridPrecision.masters_as_parameters`)."""
+        swap = getattr(self.precision_plugin, "masters_as_parameters", None)
+        return swap(self.lightning_module) if swap is not None else nullcontext()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._sharded_checkpoints():
             return super().lightning_module_state_dict()
-        return ckpt.model_state_dict(self.lightning_module)
+        with self._masters_as_parameters():
+            return ckpt.model_state_dict(self.lightning_module)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if not self._sharded_checkpoints():
             return super().optimizer_state(optimizer)
-        return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
+        with self._masters_as_parameters():
+            return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if not self._sharded_checkpoints():
@@ -117,6 +125,11 @@ class ShardedStrategyMixin:
         token = self.broadcast(ckpt.new_token())
         checkpoint = dict(checkpoint)
         tensors = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+        precision_key = type(self.precision_plugin).__qualname__
+        if isinstance(checkpoint.get(precision_key), dict) and hasattr(self.precision_plugin, "masters_as_parameters"):
+            # the fp32 master weights are the model tensors above (sharded, reshardable): not again, as rank 0's
+            # unsharded copies, in meta.pt
+            checkpoint[precision_key] = {k: v for k, v in checkpoint[precision_key].items() if k != "master_weights"}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint["lightning_npu"] = self.layout()
@@ -143,13 +156,14 @@ class ShardedStrategyMixin:
         load = ckpt.load_sharded
         if ckpt.is_sharded_checkpoint(path) and ckpt.fused_layout_changes(ckpt.read_meta(path), module):
             load = ckpt.load_sharded_relayout  # another tp size than the ZeRO 2/3 x TP save: full-tensor reload
-        return load(
-            path,
-            module,
-            [_unwrap(o) for o in self.optimizers],
-            strict=module.strict_loading,
-            weights_only=weights_only,
-        )
+        with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
+            return load(
+                path,
+                module,
+                [_unwrap(o) for o in self.optimizers],
+                strict=module.strict_loading,
+                weights_only=weights_only,
+            )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._restored_from_file:

@@ -658,6 +658,34 @@ class HybridPrecision(Precision):
         return mesh["pp"].get_group()
 
     # ---- checkpointing ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def masters_as_parameters(self, module: nn.Module) -> Generator[None, None, None]:
+        """While inside, `module`'s 16-bit parameters are replaced by their fp32 master copies (``*-true``).
+
+        The optimizer steps the masters, which are not module parameters, so FQN-keyed state-dict APIs
+        (``torch.distributed.checkpoint.state_dict``, used for sharded checkpoints) cannot key the optimizer
+        state by parameter name. Inside this context they can, and the module's state dict holds the fp32
+        masters: the exact weights, reshardable like any other tensor and loadable by a ``32-true``/``*-mixed``
+        run. On exit the 16-bit parameters are put back and refreshed from the masters (a no-op after a save,
+        the restored weights after a load). A no-op without master weights.
+        """
+        by_param = {id(p): master for key in self._master_order for p, master in self._masters[key]}
+        swapped: list[tuple[nn.Module, str, Tensor]] = []
+        if by_param:
+            for sub in module.modules():
+                for name, p in list(sub._parameters.items()):
+                    if p is not None and id(p) in by_param:
+                        sub._parameters[name] = by_param[id(p)]
+                        swapped.append((sub, name, p))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for sub, name, p in swapped:
+                    master = sub._parameters[name]
+                    sub._parameters[name] = p
+                    p.copy_(master)
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"precision": self.precision, "skipped_steps": self.skipped_steps}
         if self.scaler is not None:

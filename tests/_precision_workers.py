@@ -28,17 +28,30 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def master_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """HybridPrecision's fp32 master copies (*-true), keyed by their parameter's name (this rank's tensors)."""
+    plugin = trainer.precision_plugin
+    names = {id(p): n for n, p in trainer.lightning_module.named_parameters()}
+    return {names[id(p)]: m.detach().clone() for key in plugin._master_order for p, m in plugin._masters[key]}
+
+
 class Recorder(L.Callback):
     """Per optimizer step: logged metrics, LR, scheduler counter, and (optionally) a parameter snapshot."""
 
     def __init__(self, snapshot_params: bool = False, inject_inf_at: tuple[int, ...] = (), inject_rank: int = 1,
-                 grad_norm_reference: bool = False) -> None:
+                 grad_norm_reference: bool = False, snapshot_masters: bool = False) -> None:
         self.snapshot_params = snapshot_params
+        self.snapshot_masters = snapshot_masters
+        self.start_masters: Optional[dict[str, torch.Tensor]] = None
         self.inject_inf_at = set(inject_inf_at)
         self.inject_rank = inject_rank
         self.grad_norm_reference = grad_norm_reference
         self.rows: list[dict[str, Any]] = []
         self.ref_norms: list[float] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.snapshot_masters:  # after a resume: what the checkpoint restored
+            self.start_masters = master_weights(trainer)
 
     def on_after_backward(self, trainer, pl_module) -> None:
         # after DDP's all-reduce: only this rank's gradient holds the inf
@@ -64,6 +77,8 @@ class Recorder(L.Callback):
             row["sched_last_epoch"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
         if self.snapshot_params:
             row["params"] = full_state(pl_module)
+        if self.snapshot_masters:
+            row["masters"] = master_weights(trainer)
         self.rows.append(row)
 
 
@@ -127,6 +142,7 @@ def train(
     plugin = trainer.precision_plugin
     return {
         "rows": recorder.rows,
+        "start_masters": recorder.start_masters,
         "ref_norms": recorder.ref_norms,
         "state": full_state(model),
         "plugin": type(plugin).__name__,
@@ -143,4 +159,14 @@ def loss_curves(precisions: list[str], steps: int) -> dict[str, list[float]]:
     for precision in precisions:
         result = train(1, steps, precision, global_batch=8, model_kwargs={"n_embd": 64, "block_size": 64})
         out[precision] = [row["loss"] for row in result["rows"]]
+    return out
+
+
+def train_many(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several `train` runs in sequence in one process group (start-up and imports paid once)."""
+    out = []
+    for config in configs:
+        # Lightning's environment deletes WORLD_SIZE at teardown; the next Trainer of this process needs it
+        os.environ["WORLD_SIZE"] = str(config["devices"])
+        out.append(train(**config))
     return out

@@ -12,9 +12,9 @@ import lightning_npu  # noqa: F401
 from examples.gpt.model import GPT, CausalSoftmax, GPTConfig
 from lightning_npu import HybridPrecision
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.checkpoint import read_meta
+from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, read_meta
 from lightning_npu.precision import DynamicLossScaler
-from tests._precision_workers import loss_curves, train
+from tests._precision_workers import loss_curves, train, train_many
 
 # fp32 parity tolerances, as in tests/test_foundation_parity.py (see there for why atol 1e-6 on params)
 RTOL, ATOL = 1e-5, 1e-6
@@ -220,8 +220,8 @@ def test_overflow_on_one_rank_skips_everywhere_under_zero1():
 
 def test_overflow_skip_and_resume_restore_the_loss_scale(tmp_path):
     """bf16-mixed, dp=2 (DDP): the same skips; a run resumed from the step-3 checkpoint restores the scaler
-    (incl. its hysteresis state) exactly and repeats the uninterrupted run bit for bit. (zero_stage=0: a ZeRO-1
-    run with an LR scheduler does not resume bit-exactly even in 32-true, independent of precision.)"""
+    (incl. its hysteresis state) exactly and repeats the uninterrupted run bit for bit. (ZeRO-1 + scheduler resume:
+    tests/test_foundation_parity.py; bf16-true under ZeRO 0/1: test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1.)"""
     args = _overflow_args("bf16-mixed", 0)
     full = spawn(train, 2, 2, *args, str(tmp_path), 3, None, *_EPOCHS)
     _assert_skipped_everywhere(full)
@@ -246,3 +246,36 @@ def test_bf16_mixed_loss_curve_tracks_fp32():
     assert len(fp32) == len(bf16) == 50 and fp32[-1] < fp32[0] - 2.0  # it trained
     torch.testing.assert_close(bf16, fp32, atol=LOSS_CURVE_ATOL, rtol=LOSS_CURVE_RTOL)
     assert not torch.equal(bf16, fp32)  # and it really computed in bf16
+
+
+def test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1(tmp_path):
+    """bf16-true keeps fp32 master weights outside the module (the optimizer steps them): a sharded (DCP)
+    checkpoint must still save (DCP keys optimizer state by parameter FQN), hold the fp32 masters exactly, and a
+    resumed run must restore them bit for bit and repeat the uninterrupted loss curve, under ZeRO 0 and ZeRO 1."""
+    def config(zero_stage: int, **kw) -> dict:
+        return dict(devices=2, steps=6, precision="bf16-true", strategy_kwargs={"zero_stage": zero_stage},
+                    model_kwargs={"warmup_steps": 4}, recorder_kwargs={"snapshot_masters": True},
+                    limit_train_batches=3, **kw)
+
+    dirs = {z: tmp_path / f"zero{z}" for z in (0, 1)}
+    full = spawn(train_many, 2, [config(z, ckpt_dir=str(dirs[z])) for z in (0, 1)])
+    ckpts = {z: dirs[z] / "epoch=0-step=3.ckpt" for z in (0, 1)}
+    resumed = spawn(train_many, 2, [config(z, ckpt_in=str(ckpts[z])) for z in (0, 1)])
+    for i, z in enumerate((0, 1)):
+        meta = read_meta(ckpts[z])
+        assert "master_weights" not in meta["HybridPrecision"]  # they are the DCP model tensors, fp32
+        stored = checkpoint_tensor_metadata(ckpts[z])
+        assert stored["state_dict.model.lm_head.weight"].properties.dtype == torch.float32
+        assert any(k.startswith("optimizer_0.state.") and k.endswith(".exp_avg_sq") for k in stored)
+        for rank in range(2):
+            f, r = full[rank][i], resumed[rank][i]
+            assert r["global_step"] == 6 and r["plugin"] == "HybridPrecision"
+            saved = f["rows"][2]["masters"]
+            assert saved and r["start_masters"].keys() == saved.keys()
+            for k, v in saved.items():
+                assert v.dtype == torch.float32 and torch.equal(r["start_masters"][k], v), f"zero {z} {k}"
+            assert [row["loss"] for row in r["rows"]] == [row["loss"] for row in f["rows"][3:]], f"zero {z}"
+            for k, v in f["rows"][-1]["masters"].items():
+                assert torch.equal(r["rows"][-1]["masters"][k], v), f"zero {z} {k}"
+            for k, v in f["state"].items():
+                assert torch.equal(r["state"][k], v), f"zero {z} {k}"
