@@ -152,6 +152,16 @@ class ShardedStrategyMixin:
                     "again (a sharded directory), which then loads under any stage."
                 )
             return super().load_checkpoint(path, weights_only=weights_only)
+        tp_localized = getattr(self, "_tp_localized", None)
+        if tp_localized is not None and tp_localized():
+            from lightning_npu.parallel.config import NotImplementedYetError
+
+            raise NotImplementedYetError(
+                f"{str(path)!r} is a sharded (DCP) checkpoint; loading one under tensor_parallel_size="
+                f"{self.parallel_config.tensor_parallel_size} with zero_stage={self.parallel_config.zero_stage} is not "
+                "implemented yet (tp with zero 0/1 reads single-file checkpoints). Load it with zero_stage 2 or 3, or "
+                "with tensor_parallel_size=1."
+            )
         module = self.lightning_module
         load = ckpt.load_sharded
         if ckpt.is_sharded_checkpoint(path) and ckpt.fused_layout_changes(ckpt.read_meta(path), module):

@@ -89,5 +89,15 @@ def train_zero_tp(
     }
 
 
+def _run(config: dict[str, Any]) -> dict[str, Any]:
+    if not config.get("expect_error"):
+        return train_zero_tp(**config)
+    try:
+        train_zero_tp(**{k: v for k, v in config.items() if k != "expect_error"})
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"error": None}
+
+
 def run_many(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [train_zero_tp(**c) for c in configs]
+    return [_run(c) for c in configs]
