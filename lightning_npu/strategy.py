@@ -203,15 +203,9 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         plan = self._plan_tensor_parallel()
         if plan is None or not plan.styles:
             return []
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            from lightning_npu.parallel.config import NotImplementedYetError
-
-            raise NotImplementedYetError(
-                f"`gradient_clip_val={trainer.gradient_clip_val}` with gradient_clip_algorithm='norm' under "
-                f"tensor_parallel_size={plan.tp_size}: the norm would be computed per tp shard; use "
-                "gradient_clip_algorithm='value' or no clipping for now."
-            )
+        # gradient_clip_val (norm) is fine here: HybridPrecision clips by `parallel.grad_norm.global_grad_norm`,
+        # which all-reduces the squared norms of tp shards (params tagged `_lnpu_tp`, or DTensors) over their
+        # sharded mesh dims and counts replicated params (norms, wpe) once
         if not plan.applied:
             tp.apply_tensor_parallel(model, self.device_mesh["tp"], plan)
             if localize:

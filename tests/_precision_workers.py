@@ -20,9 +20,13 @@ TINY_GPT = dict(
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """fp32 copies of the full tensors (DTensor shards gathered: a collective, call on every rank)."""
+    """fp32 copies of the full tensors (DTensor and tensor-parallel shards gathered: a collective, call on every
+    rank)."""
+    from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
+
     out = {}
-    for k, v in module.state_dict().items():
+    state = full_state_dict(module) if is_tensor_parallel(module) else module.state_dict()
+    for k, v in state.items():
         v = v.full_tensor() if hasattr(v, "full_tensor") else v
         out[k] = v.detach().float().clone()
     return out

@@ -279,3 +279,38 @@ def test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1(tmp_path):
                 assert torch.equal(r["rows"][-1]["masters"][k], v), f"zero {z} {k}"
             for k, v in f["state"].items():
                 assert torch.equal(r["state"][k], v), f"zero {z} {k}"
+
+
+def _clip_reference() -> tuple[dict, torch.Tensor]:
+    """One process, fp32, clip at 0.5: torch's `get_total_norm` of the full gradients before each step."""
+    ref = spawn(train, 1, 1, 4, "32-true", 8, None, None, None, 0.5, {"grad_norm_reference": True})[0]
+    ref_norms = torch.tensor(ref["ref_norms"])
+    assert len(ref_norms) == 4 and (ref_norms > 0.5).all()  # clipping is active on every step
+    return ref, ref_norms
+
+
+def _assert_clip_parity(ranks: list[dict], ref: dict, ref_norms: torch.Tensor, what: str) -> None:
+    for r in ranks:
+        norms = torch.tensor([row["grad_norm"] for row in r["rows"]])
+        torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=0, msg=lambda m: f"{what}: {m}")
+        assert r["state"].keys() == ref["state"].keys()
+        for k, v in ref["state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {k}: {m}")
+
+
+def test_global_grad_norm_clipping_under_tensor_parallelism():
+    """tp=2 (local shards tagged `_lnpu_tp`; norms and wpe replicated): the logged global norm counts every
+    element once (a per-shard norm would be ~1/sqrt(2) of it; counting replicas twice, larger), equals torch's
+    norm of the full gradients in one fp32 process, and the clipped run reproduces that run's parameters."""
+    ref, ref_norms = _clip_reference()
+    ranks = spawn(train, 2, 2, 4, "32-true", 8, {"zero_stage": 0, "tensor_parallel_size": 2}, None, None, 0.5)
+    _assert_clip_parity(ranks, ref, ref_norms, "tp2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_global_grad_norm_clipping_dp2_tp2(zero_stage):
+    ref, ref_norms = _clip_reference()
+    ranks = spawn(train, 4, 4, 4, "32-true", 8, {"zero_stage": zero_stage, "tensor_parallel_size": 2}, None, None,
+                  0.5)
+    _assert_clip_parity(ranks, ref, ref_norms, f"dp2 x tp2 zero {zero_stage}")
