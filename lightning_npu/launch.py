@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -40,10 +39,6 @@ def _worker(
     torch.set_num_threads(threads)
     result = fn(*args)
     torch.save(result, Path(out_dir) / f"rank{local_rank}.pt")
-    # Leave together: a rank that exits while its peers still talk to it makes gloo abort them.
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | None = None) -> list[Any]:
