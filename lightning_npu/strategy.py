@@ -9,6 +9,8 @@ accumulation's `no_sync` and checkpoint IO are Lightning's own.
 
 from __future__ import annotations
 
+import atexit
+import functools
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -112,6 +114,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
+        _destroy_process_groups_at_exit()
         cfg = self.parallel_config.resolve(self.world_size)
         # fit -> validate -> test reuse one mesh: building it again would create new process groups.
         if self._device_mesh is None or tuple(self._device_mesh.mesh.shape) != cfg.mesh_shape:
@@ -462,3 +465,27 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             description="lightning-npu hybrid tensor/pipeline/data parallelism (npu, cuda, cpu)",
             override=True,
         )
+
+
+@functools.cache
+def _destroy_process_groups_at_exit() -> None:
+    """Leave together, then shut the process groups down before the interpreter tears down C++ statics.
+
+    Lightning never destroys the groups it creates (fit, validate and test share them). A rank that exits while
+    its peers still hold gloo connections to it, or with gloo's worker threads still joinable, aborts with
+    "terminate called without an active exception" after training has finished (seen ~1 in 8 runs here).
+    """
+
+    def leave() -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            dist.destroy_process_group()
+        except Exception:  # a peer already died: nothing left to leave cleanly
+            pass
+
+    atexit.register(leave)

@@ -128,7 +128,8 @@ def shard_optimizer_state(optimizer: Optimizer, mesh: DeviceMesh) -> Optimizer:
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=mesh["dp"].get_group(), **defaults
+        groups, optimizer_class=type(optimizer), process_group=mesh["dp"].get_group(),
+        parameters_as_bucket_view=True, **defaults
     )
 
 
