@@ -141,7 +141,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # Lightning's plugins for "32-true", "bf16-mixed", "16-mixed", "bf16-true" and "16-true" become
-        # HybridPrecision on the accelerator's device type (Lightning builds MixedPrecision(device="cuda")
+        # HybridPrecision on the accelerator's device type (Lightning builds a CUDA-device MixedPrecision
         # for every non-CPU accelerator); any other plugin is refused with a clear error.
         from lightning_npu.precision import as_hybrid_precision
 

@@ -38,6 +38,45 @@ def full_state(pl_module: GPTModule) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().cpu() for k, v in pl_module.state_dict().items()}
 
 
+def parity_trainer(
+    strategy: NPUHybridStrategy,
+    model: L.LightningModule,
+    devices: int,
+    global_batch: int,
+    steps: int,
+    callbacks: list[L.Callback],
+    ckpt_dir: Optional[str] = None,
+    limit_train_batches: Optional[int] = None,
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, TextDataModule]:
+    """The Trainer and data of every parity worker: the same global batch whatever the layout (per-rank batch =
+    global // dp, unshuffled), fp32, checkpoints every 3 steps into `ckpt_dir` when given."""
+    if ckpt_dir is not None:
+        callbacks = [*callbacks, L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3,
+                                                                     save_top_k=-1)]
+    cfg = strategy.parallel_config
+    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
+    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        limit_train_batches=limit_train_batches,
+        limit_val_batches=2,
+        val_check_interval=None,
+        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
+        logger=False,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
+        **{"precision": "32-true", **trainer_kwargs},
+    )
+    return trainer, data
+
+
 def train_gpt(
     devices: int,
     global_batch: int,
@@ -55,29 +94,9 @@ def train_gpt(
     strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
     model = GPTModule(**{**SMALL_GPT, **(model_kwargs or {})})
     recorder = LossRecorder()
-    callbacks: list[L.Callback] = [recorder]
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
-    per_rank_batch = global_batch // (devices // strategy.parallel_config.tensor_parallel_size
-                                       // strategy.parallel_config.pipeline_parallel_size)
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision=precision,
-        max_steps=steps,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=2,
-        val_check_interval=None,
-        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
-        logger=False,
-        enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        deterministic=True,
-        accumulate_grad_batches=accumulate_grad_batches,
+    trainer, data = parity_trainer(
+        strategy, model, devices, global_batch, steps, [recorder], ckpt_dir, limit_train_batches,
+        precision=precision, accumulate_grad_batches=accumulate_grad_batches,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]

@@ -12,7 +12,7 @@ from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
-from tests._gpt_workers import SMALL_GPT, LossRecorder
+from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
 # 4 blocks: room for pp=2 x 2 virtual stages (interleaved 1F1B)
 PP_GPT = {**SMALL_GPT, "n_layer": 4}
@@ -48,37 +48,15 @@ def train_pp(
     strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
     model = GPTModule(**{**PP_GPT, **(model_kwargs or {})})
     recorder, norms = LossRecorder(), GradNormRecorder()
-    callbacks: list[L.Callback] = [recorder, norms]
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
-    cfg = strategy.parallel_config
-    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=steps,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-        val_check_interval=None,
-        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
-        logger=False,
-        enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        deterministic=True,
-        gradient_clip_val=gradient_clip_val,
-        accumulate_grad_batches=accumulate_grad_batches,
+    trainer, data = parity_trainer(
+        strategy, model, devices, global_batch, steps, [recorder, norms], ckpt_dir, limit_train_batches,
+        num_sanity_val_steps=0, gradient_clip_val=gradient_clip_val, accumulate_grad_batches=accumulate_grad_batches,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
     # predictions for 4 validation samples: through the pipeline (the last stage returns the logits), or directly
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data.val_set, range(4)), batch_size=4)
-    if cfg.pipeline_parallel_size > 1:
+    if strategy.parallel_config.pipeline_parallel_size > 1:
         logits = trainer.predict(model, dataloaders=loader)[0]
     else:
         with torch.no_grad():

@@ -13,7 +13,7 @@ from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
-from tests._gpt_workers import SMALL_GPT, LossRecorder
+from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
 
 class HFCausalLM(GPTModule):
@@ -68,28 +68,8 @@ def train_tp(
     strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
     model = _make_model(arch, model_kwargs)
     recorder = LossRecorder()
-    callbacks: list[L.Callback] = [recorder]
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
-    cfg = strategy.parallel_config
-    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=steps,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=2,
-        val_check_interval=None,
-        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
-        logger=False,
-        enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        deterministic=True,
+    trainer, data = parity_trainer(
+        strategy, model, devices, global_batch, steps, [recorder], ckpt_dir, limit_train_batches
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]

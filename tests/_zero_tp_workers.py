@@ -12,11 +12,10 @@ import lightning as L
 import torch
 
 import lightning_npu  # noqa: F401
-from examples.gpt.data import TextDataModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel import data as data_parallel
 from lightning_npu.parallel.tensor import gathered_state_dict
-from tests._gpt_workers import LossRecorder
+from tests._gpt_workers import LossRecorder, parity_trainer
 from tests._tp_workers import _make_model
 from tests._zero_workers import _world
 
@@ -48,28 +47,8 @@ def train_zero_tp(
     strategy = NPUHybridStrategy(**strategy_kwargs)
     model = _make_model(arch, None)
     recorder, probe = LossRecorder(), ParamBytes()
-    callbacks: list[L.Callback] = [recorder, probe]
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1))
-    cfg = strategy.parallel_config
-    per_rank_batch = global_batch // (devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size)
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=per_rank_batch, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=steps,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=2,
-        val_check_interval=None,
-        check_val_every_n_epoch=None if limit_train_batches is None else 1000,
-        logger=False,
-        enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        deterministic=True,
+    trainer, data = parity_trainer(
+        strategy, model, devices, global_batch, steps, [recorder, probe], ckpt_dir, limit_train_batches
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
