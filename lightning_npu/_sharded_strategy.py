@@ -5,7 +5,7 @@ strategy's own overrides (e.g. tensor parallelism's) can wrap these with ``super
 logic itself is in `lightning_npu.parallel.data` (FSDP2) and `lightning_npu.parallel.checkpoint` (DCP).
 
 Checkpoints: `trainer.save_checkpoint(path)` (and so `ModelCheckpoint`) writes a DCP directory at
-`path`, atomically; `ckpt_path=` accepts such a directory saved under any (dp, zero) layout, or a
+`path`, atomically; `ckpt_path=` accepts such a directory saved under any (pp, dp, tp, zero) layout, or a
 Lightning single-file checkpoint (zero 0/1 only).
 """
 
@@ -66,12 +66,6 @@ class ShardedStrategyMixin:
             self._ckpt_writer = ckpt.ShardedCheckpointWriter(async_save=self.async_save)
         return self._ckpt_writer
 
-    def _sharded_checkpoints(self) -> bool:
-        # tensor parallelism with plain local shards (zero 0/1, strategy.py) saves consolidated single-file
-        # checkpoints for now; under ZeRO 2/3 its parameters are 2-D (dp, tp) DTensors: DCP directories
-        tp_active = getattr(self, "_tp_active", None)
-        return not (tp_active is not None and tp_active() and not self._is_fully_sharded())
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # sharded state loads into the wrapped/sharded model and the already created (ZeRO) optimizers
@@ -102,20 +96,14 @@ class ShardedStrategyMixin:
         return swap(self.lightning_module) if swap is not None else nullcontext()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._sharded_checkpoints():
-            return super().lightning_module_state_dict()
         with self._masters_as_parameters():
-            return ckpt.model_state_dict(self.lightning_module)
+            return ckpt.model_state_dict(self.lightning_module, [_unwrap(o) for o in self.optimizers])
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if not self._sharded_checkpoints():
-            return super().optimizer_state(optimizer)
         with self._masters_as_parameters():
             return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if not self._sharded_checkpoints():
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: sharded "
@@ -152,20 +140,10 @@ class ShardedStrategyMixin:
                     "again (a sharded directory), which then loads under any stage."
                 )
             return super().load_checkpoint(path, weights_only=weights_only)
-        tp_localized = getattr(self, "_tp_localized", None)
-        if tp_localized is not None and tp_localized():
-            from lightning_npu.parallel.config import NotImplementedYetError
-
-            raise NotImplementedYetError(
-                f"{str(path)!r} is a sharded (DCP) checkpoint; loading one under tensor_parallel_size="
-                f"{self.parallel_config.tensor_parallel_size} with zero_stage={self.parallel_config.zero_stage} is not "
-                "implemented yet (tp with zero 0/1 reads single-file checkpoints). Load it with zero_stage 2 or 3, or "
-                "with tensor_parallel_size=1."
-            )
         module = self.lightning_module
         load = ckpt.load_sharded
         if ckpt.is_sharded_checkpoint(path) and ckpt.fused_layout_changes(ckpt.read_meta(path), module):
-            load = ckpt.load_sharded_relayout  # another tp size than the ZeRO 2/3 x TP save: full-tensor reload
+            load = ckpt.load_sharded_relayout  # fused projections saved under another tp size: full-tensor reload
         with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
             return load(
                 path,

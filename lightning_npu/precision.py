@@ -426,7 +426,7 @@ class HybridPrecision(Precision):
         if self._half_dtype is None:
             return module
         if self._true_half:
-            # all parameters 16-bit (ZeroRedundancyOptimizer needs one dtype); norms upcast their weights
+            # all parameters 16-bit (one dtype per ZeRO-1 bucket); norms upcast their weights
             # inside the fp32 island and the optimizer steps fp32 master copies
             module.to(dtype=self._half_dtype)
         install_fp32_islands(module)
@@ -482,8 +482,6 @@ class HybridPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def _install_master_weights(self, optimizer: Optimizer, lr_schedulers: list[Any]) -> Optimizer:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         raw = _raw_optimizer(optimizer)
         if id(raw) in self._masters:
             return optimizer
@@ -500,25 +498,10 @@ class HybridPrecision(Precision):
                     pairs.append((p, master))
         if not pairs:
             return optimizer
-        if isinstance(raw, ZeroRedundancyOptimizer):
-            groups = [{**g, "params": [mapping.get(id(p), p) for p in g["params"]]} for g in raw.param_groups]
-            new = ZeroRedundancyOptimizer(
-                groups,
-                optimizer_class=raw._optim_constructor,
-                process_group=raw.process_group,
-                parameters_as_bucket_view=raw.parameters_as_bucket_view,
-                **raw._optim_defaults,
-            )
-            new._opt_called = True  # see NPUHybridStrategy._shard_optimizer_states
-            for config in lr_schedulers:
-                if config.scheduler.optimizer is raw:
-                    config.scheduler.optimizer = new
-            raw = optimizer = new
-        else:
-            if raw.state:
-                raw.state = type(raw.state)({mapping.get(id(p), p): s for p, s in raw.state.items()})
-            for group in raw.param_groups:
-                group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        if raw.state:
+            raw.state = type(raw.state)({mapping.get(id(p), p): s for p, s in raw.state.items()})
+        for group in raw.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
         self._masters[id(raw)] = pairs
         self._master_order.append(id(raw))
         return optimizer

@@ -13,6 +13,7 @@ import atexit
 import functools
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -165,6 +166,12 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             # `_pipeline_step` averages the stage's gradients over mesh["dp"] itself
             self._setup_pipeline(model)
             return model
+        if self._uses_distributed_optimizer():
+            # ZeRO-1: no DDP wrapper, the DistributedOptimizer reduce-scatters the gradients itself (set up with
+            # the optimizers); start from dp-rank 0's weights as DDP would
+            data_parallel.broadcast_module_states(model, self.device_mesh)
+            model._ddp_params_and_buffers_to_ignore = sharded
+            return model
         wrapped = data_parallel.wrap_data_parallel(
             model,
             self.device_mesh,
@@ -211,11 +218,20 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         # sharded mesh dims and counts replicated params (norms, wpe) once
         if not plan.applied:
             tp.apply_tensor_parallel(model, self.device_mesh["tp"], plan)
+            fused = tp.fused_parameters(model)  # before localizing/FSDP2: read from the DTensor parameters
             if localize:
                 tp.localize_parameters(model)
-            else:
-                model._lnpu_fused = tp.fused_parameters(model)
+            model._lnpu_fused = fused
         return [n for n, p in model.named_parameters() if getattr(p, "_lnpu_tp", None) is not None]
+
+    def _uses_distributed_optimizer(self) -> bool:
+        cfg = self.parallel_config
+        return cfg.zero_stage == 1 and cfg.resolved_dp > 1
+
+    def _distributed_optimizers(self) -> list[Any]:
+        from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
+
+        return [o for o in (_unwrap(o) for o in self.optimizers) if isinstance(o, DistributedOptimizer)]
 
     def _tp_active(self) -> bool:
         return self.tp_report is not None and self.tp_report.applied
@@ -266,78 +282,83 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             module = self.lightning_module
             closure_loss = Precision.pre_backward(self.precision_plugin, closure_loss, module)
             if self._pipeline.apply_gradients() and self._pp_sync_grads:
-                from lightning_npu.parallel.pipeline import all_reduce_gradients
+                zero1 = self._distributed_optimizers()
+                if zero1:
+                    for opt in zero1:
+                        opt.reduce_gradients()
+                else:
+                    from lightning_npu.parallel.pipeline import all_reduce_gradients
 
-                all_reduce_gradients(self._pipeline.stage_parameters(), self.device_mesh["dp"].get_group(),
-                                     int(self.parallel_config.bucket_size_mb * 2**20))
+                    all_reduce_gradients(self._pipeline.stage_parameters(), self.device_mesh["dp"].get_group(),
+                                         int(self.parallel_config.bucket_size_mb * 2**20))
             return Precision.post_backward(self.precision_plugin, closure_loss, module)
-        # the vocab-parallel cross-entropy's backward must run under loss_parallel too
+        zero1 = self._distributed_optimizers()
+        if not zero1:
+            # the vocab-parallel cross-entropy's backward must run under loss_parallel too
+            with self._loss_context():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Lightning's Strategy.backward, plus ZeRO-1's wait for the reduce-scatters backward launched, before
+        # `on_after_backward` (which then sees the reduced gradient slices on the optimizer's parameters)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self._loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        for opt in zero1:
+            if opt.sync_enabled:  # not on accumulating micro-steps
+                opt.finish_gradient_sync()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
-    # checkpoints hold full (unsharded, original-layout) tensors whatever the tp size: gathered over tp
-    # on save, sliced on load. Collective: Lightning calls these on every rank.
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._pipeline is not None and self._tp_active():
-            from lightning_npu.parallel.config import NotImplementedYetError
-
-            raise NotImplementedYetError(
-                "checkpoints under pipeline_parallel_size>1 together with tensor_parallel_size>1 are not implemented "
-                "yet (tp saves consolidated single files, which hold one pipeline stage); save with "
-                "tensor_parallel_size=1 (pp checkpoints are per-stage DCP directories) or disable checkpointing."
-            )
-        state = super().lightning_module_state_dict()
-        if not self._tp_localized():
-            return state
-        from lightning_npu.parallel.tensor import full_state_dict
-
-        return full_state_dict(self.lightning_module, state)
-
+    # checkpoints are DCP directories in every layout (ShardedStrategyMixin); single-file (Lightning) checkpoints
+    # still load: they hold full, original-layout tensors, sliced here for the tp shards
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._tp_localized():
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        from lightning_npu.parallel.tensor import load_full_state_dict
+        if not self._restored_from_file or not self._tp_localized():
+            super().load_model_state_dict(checkpoint, strict=strict)
+        else:
+            from lightning_npu.parallel.tensor import load_full_state_dict
 
-        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if not self._tp_localized():
-            return super().optimizer_state(optimizer)
-        from lightning_npu.parallel.tensor import full_optimizer_state_dict
-
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        dp_rank = self.device_mesh["dp"].get_local_rank()
-        if hasattr(inner, "consolidate_state_dict"):
-            inner.consolidate_state_dict(to=0)  # onto dp-rank 0 of every tp column
-            if dp_rank != 0:
-                return {}
-        elif dp_rank != 0:
-            return {}
-        state = full_optimizer_state_dict(inner, inner.state_dict())  # collective over the tp group
-        return state if self.is_global_zero else {}
+            load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        if self._restored_from_file:
+            for opt in self._distributed_optimizers():
+                opt.refresh_masters_from_parameters()
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._tp_localized():
+        if not self._restored_from_file or not self._tp_localized():
             return super().load_optimizer_state_dict(checkpoint)
         from lightning_npu.parallel.tensor import shard_optimizer_state_dict
 
+        def holder(opt: Any) -> Any:  # what the full state is indexed by: the model's parameters
+            opt = _unwrap(opt)
+            return SimpleNamespace(param_groups=[{"params": opt.model_params}]) if hasattr(opt, "model_params") else opt
+
         states = checkpoint["optimizer_states"]
         checkpoint = {**checkpoint, "optimizer_states": [
-            shard_optimizer_state_dict(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, s)
-            for opt, s in zip(self.optimizers, states)
+            shard_optimizer_state_dict(holder(opt), s) for opt, s in zip(self.optimizers, states)
         ]}
         super().load_optimizer_state_dict(checkpoint)
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        if self.parallel_config.zero_stage == 1 and self.device_mesh["dp"].size() > 1:
+        if self._uses_distributed_optimizer():
             self._shard_optimizer_states()
 
     def _shard_optimizer_states(self) -> None:
+        """ZeRO-1: each optimizer becomes a `DistributedOptimizer` over its dp slices (same class and groups)."""
+        from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
+
         sharded = []
         for optimizer in self.optimizers:
-            inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            zero = data_parallel.shard_optimizer_state(inner, self.device_mesh)
+            inner = _unwrap(optimizer)
+            if isinstance(inner, DistributedOptimizer):
+                sharded.append(inner)
+                continue
+            zero = DistributedOptimizer(
+                inner, self.lightning_module, self.device_mesh, self.parallel_config.bucket_size_mb,
+                # under pp the schedule runs backward per micro-batch: reduce once, after it (`backward`)
+                overlap=self.parallel_config.pipeline_parallel_size == 1,
+            )
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is inner:
                     config.scheduler.optimizer = zero
@@ -386,8 +407,15 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Any:
         if self._pipeline is None:
-            with super().block_backward_sync():
-                yield None
+            zero1 = self._distributed_optimizers()
+            for opt in zero1:  # accumulating micro-step: the gradient hooks launch nothing
+                opt.sync_enabled = False
+            try:
+                with super().block_backward_sync():
+                    yield None
+            finally:
+                for opt in zero1:
+                    opt.sync_enabled = True
             return
         # gradient accumulation: no dp all-reduce of the stage gradients until the last micro-step
         self._pp_sync_grads = False
@@ -427,7 +455,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
-        if self._pipeline is None or module is None or not self._sharded_checkpoints():
+        if self._pipeline is None or module is None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # each stage restores only its own keys: the other stages' keys in the checkpoint are not "unexpected";
         # keys of this stage missing from the checkpoint are still an error under strict loading
@@ -465,6 +493,10 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             description="lightning-npu hybrid tensor/pipeline/data parallelism (npu, cuda, cpu)",
             override=True,
         )
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 @functools.cache

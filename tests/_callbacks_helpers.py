@@ -78,7 +78,11 @@ class StepSeeded(L.LightningModule):
         step = self.global_step
         poisoned = step in self.nan_at or (self.nan_from is not None and step >= self.nan_from)
         if poisoned and self.global_rank in self.nan_ranks:
-            self.net[0].weight.grad.view(-1)[0] = float("nan")
+            # the gradient the optimizer steps with: the model's (DDP), or its reduced slice (npu_hybrid ZeRO-1)
+            stepped = [p for g in self.trainer.optimizers[0].param_groups for p in g["params"]]
+            grads = [p.grad for p in stepped + list(self.parameters()) if p.grad is not None]
+            grad = next(g.to_local() if hasattr(g, "to_local") else g for g in grads if g.numel() > 0)
+            grad.view(-1)[0] = float("nan")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.param_log[self.global_step] = flat_params(self)

@@ -22,10 +22,14 @@ TINY_GPT = dict(
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """fp32 copies of the full tensors (DTensor and tensor-parallel shards gathered: a collective, call on every
     rank)."""
-    from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
+    from lightning_npu.parallel.data import is_fully_sharded
+    from lightning_npu.parallel.tensor import full_state_dict, gathered_state_dict, is_tensor_parallel
 
     out = {}
-    state = full_state_dict(module) if is_tensor_parallel(module) else module.state_dict()
+    if is_fully_sharded(module):  # FSDP2 (x TP): fused projections back in their original layout
+        state = gathered_state_dict(module)
+    else:
+        state = full_state_dict(module) if is_tensor_parallel(module) else module.state_dict()
     for k, v in state.items():
         v = v.full_tensor() if hasattr(v, "full_tensor") else v
         out[k] = v.detach().float().clone()
@@ -36,6 +40,9 @@ def master_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """HybridPrecision's fp32 master copies (*-true), keyed by their parameter's name (this rank's tensors)."""
     plugin = trainer.precision_plugin
     names = {id(p): n for n, p in trainer.lightning_module.named_parameters()}
+    zero1 = trainer.strategy._distributed_optimizers()
+    if zero1:  # ZeRO-1 keeps them itself: this rank's fp32 slices
+        return {n: m.to_local().detach().clone() for opt in zero1 for n, m in opt.master_state_dict().items()}
     return {names[id(p)]: m.detach().clone() for key in plugin._master_order for p, m in plugin._masters[key]}
 
 
@@ -58,10 +65,13 @@ class Recorder(L.Callback):
             self.start_masters = master_weights(trainer)
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        # after DDP's all-reduce: only this rank's gradient holds the inf
+        # after the gradient reduction (DDP's all-reduce, ZeRO-1's reduce-scatter): only this rank's gradient holds
+        # the inf; ZeRO-1 steps its reduced slices (the optimizer's parameters), DDP the model's gradients
         if trainer.global_step in self.inject_inf_at and trainer.global_rank == self.inject_rank:
-            p = next(p for p in pl_module.parameters() if p.grad is not None)
-            p.grad.view(-1)[0] = float("inf")
+            stepped = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+            grads = [p.grad for p in stepped + list(pl_module.parameters()) if p.grad is not None]
+            grad = next(g.to_local() if hasattr(g, "to_local") else g for g in grads if g.numel() > 0)
+            grad.view(-1)[0] = float("inf")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.grad_norm_reference:  # torch's own total norm of the (unclipped, unscaled) gradients

@@ -56,6 +56,7 @@ class Probe(L.Callback):
         self.param_bytes_rest: list[int] = []
         self.param_bytes_fwd: list[int] = []
         self.grad_bytes: list[int] = []
+        self.step_grad_bytes: list[int] = []
         self.optim_bytes: list[int] = []
         self.reduce_scatters: list[int] = []
         self.lr: list[float] = []
@@ -90,6 +91,9 @@ class Probe(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grad_bytes.append(_bytes(p.grad for p in pl_module.parameters() if p.grad is not None))
+        # the gradients the optimizer steps with: ZeRO 1's reduced slices, FSDP2's shards, DDP's full gradients
+        stepped = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.step_grad_bytes.append(_bytes(stepped))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.reduce_scatters.append(self._rs)
@@ -184,6 +188,7 @@ def run(
         "param_bytes_rest": probe.param_bytes_rest,
         "param_bytes_fwd": probe.param_bytes_fwd,
         "grad_bytes": probe.grad_bytes,
+        "step_grad_bytes": probe.step_grad_bytes,
         "optim_bytes": probe.optim_bytes,
         "reduce_scatters": probe.reduce_scatters,
         "lr": probe.lr,

@@ -212,9 +212,9 @@ def _assert_skipped_everywhere(ranks: list[dict]) -> None:
 
 def test_overflow_on_one_rank_skips_everywhere_under_zero1():
     """An inf in rank 1's gradient only (after DDP's all-reduce) at steps 2 and 3: both ranks skip both steps
-    (parameters and LR schedule unchanged; a per-rank decision would deadlock ZeRO-1's broadcasts), the scale
+    (parameters and LR schedule unchanged; a per-rank decision would deadlock ZeRO-1's all-gathers), the scale
     halves on the second overflow (hysteresis 2), then grows after 3 clean steps; training continues.
-    bf16-true: bf16 parameters with fp32 master weights inside a rebuilt ZeroRedundancyOptimizer."""
+    bf16-true: bf16 parameters, the DistributedOptimizer's fp32 master slices."""
     _assert_skipped_everywhere(spawn(train, 2, 2, *_overflow_args("bf16-true", 1), None, 3, None, *_EPOCHS))
 
 
@@ -249,7 +249,8 @@ def test_bf16_mixed_loss_curve_tracks_fp32():
 
 
 def test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1(tmp_path):
-    """bf16-true keeps fp32 master weights outside the module (the optimizer steps them): a sharded (DCP)
+    """bf16-true keeps fp32 master weights outside the module (HybridPrecision's under ZeRO 0, the
+    DistributedOptimizer's slices under ZeRO 1; the optimizer steps them): a sharded (DCP)
     checkpoint must still save (DCP keys optimizer state by parameter FQN), hold the fp32 masters exactly, and a
     resumed run must restore them bit for bit and repeat the uninterrupted loss curve, under ZeRO 0 and ZeRO 1."""
     def config(zero_stage: int, **kw) -> dict:
@@ -308,8 +309,9 @@ def test_global_grad_norm_clipping_under_tensor_parallelism():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
 def test_global_grad_norm_clipping_dp2_tp2(zero_stage):
+    """ZeRO 1 and 3 over tp dim-0 shards are `_StridedShard` DTensors: their squared norms must be reduced over dp."""
     ref, ref_norms = _clip_reference()
     ranks = spawn(train, 4, 4, 4, "32-true", 8, {"zero_stage": zero_stage, "tensor_parallel_size": 2}, None, None,
                   0.5)

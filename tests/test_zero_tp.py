@@ -38,7 +38,7 @@ def reference():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero_tp")
-    tp2_dir, tp1_dir = root / "dp2_tp2_zero3", root / "dp4_tp1_zero3"
+    tp2_dir, tp1_dir, z1_dir = root / "dp2_tp2_zero3", root / "dp4_tp1_zero3", root / "dp2_tp2_zero1"
     step3 = "epoch=0-step=3.ckpt"
     four = spawn(run_many, 4, [
         dict(strategy_kwargs=zero_tp(2), steps=5),
@@ -49,16 +49,20 @@ def runs(tmp_path_factory):
         # the other direction: saved at tp=1 (dp=4, zero 3), resumed at dp=2 x tp=2 x zero 3
         dict(strategy_kwargs=zero_tp(3, tp=1), steps=6, ckpt_dir=str(tp1_dir), limit_train_batches=3),
         dict(strategy_kwargs=zero_tp(3), steps=6, ckpt_in=str(tp1_dir / step3), limit_train_batches=3),
+        # ZeRO 1 (DistributedOptimizer over dp, on plain tp shards) saves DCP too; resumed at dp2 x tp2 x zero 3
+        dict(strategy_kwargs=zero_tp(1), steps=6, ckpt_dir=str(z1_dir), limit_train_batches=3),
+        dict(strategy_kwargs=zero_tp(3), steps=6, ckpt_in=str(z1_dir / step3), limit_train_batches=3),
     ])
     # the dp2 x tp2 x zero3 checkpoint resumed at tp=1 x dp=2 (zero 3 and zero 1)
     two = spawn(run_many, 2, [
         dict(strategy_kwargs=zero_tp(3, tp=1), steps=6, ckpt_in=str(tp2_dir / step3), limit_train_batches=3),
         dict(strategy_kwargs=zero_tp(1, tp=1), steps=6, ckpt_in=str(tp2_dir / step3), limit_train_batches=3),
-        # tp=2 with zero 1 (localized shards, single-file checkpoints) cannot read it yet: a clear error
-        dict(strategy_kwargs=zero_tp(1), steps=6, ckpt_in=str(tp2_dir / step3), limit_train_batches=3,
-             expect_error=True),
+        # tp=2 x dp=1 with plain local tp shards (zero 1 is zero 0 at dp=1): DTensor views of the shards load in place
+        dict(strategy_kwargs=zero_tp(1), steps=6, ckpt_in=str(tp2_dir / step3), limit_train_batches=3),
+        # the dp2 x tp2 x zero1 checkpoint at tp=1 x dp=2 x zero 0 (fused q|k|v relaid, ZeRO-1 slices gathered)
+        dict(strategy_kwargs=zero_tp(0, tp=1), steps=6, ckpt_in=str(z1_dir / step3), limit_train_batches=3),
     ])
-    return {"four": four, "two": two, "tp2_ckpt": tp2_dir / step3}
+    return {"four": four, "two": two, "tp2_ckpt": tp2_dir / step3, "z1_ckpt": z1_dir / step3}
 
 
 @pytest.mark.slow
@@ -123,10 +127,33 @@ def test_dp2_tp2_zero3_checkpoint_loads_at_tp1(runs, index):
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_under_tp_zero1_is_refused_clearly(runs):
+def test_dp2_tp2_zero3_checkpoint_loads_at_tp2_zero1(runs):
+    full = runs["four"][0][2]
     for rank in runs["two"]:
-        assert rank[2]["error"] is not None and rank[2]["error"].startswith("NotImplementedYetError")
-        assert "tensor_parallel_size=2 with zero_stage=1 is not implemented yet" in rank[2]["error"]
+        got = rank[2]
+        assert got["global_step"] == 6 and got["mesh"] == (1, 1, 2) and not got["fully_sharded"]
+        assert_losses(got["logged"], full["logged"][3:])
+        assert_same_state(got["state"], full["state"])
+
+
+@pytest.mark.slow
+def test_dp2_tp2_zero1_trains_saves_dcp_and_reshards(runs):
+    """ZeRO-1 x TP trains as ZeRO-3 x TP does; its DCP checkpoint resumes as dp2 x tp2 x zero 3 and tp1 x zero 0."""
+    z1 = runs["four"][0][6]
+    assert z1["optimizer"] == "DistributedOptimizer"
+    assert_losses(z1["logged"], runs["four"][0][2]["logged"])
+    assert_same_state(z1["state"], runs["four"][0][2]["state"])
+    assert runs["z1_ckpt"].is_dir()
+    for rank in runs["four"]:
+        got = rank[7]
+        assert got["global_step"] == 6 and got["fully_sharded"]
+        assert_losses(got["logged"], z1["logged"][3:])
+        assert_same_state(got["state"], z1["state"])
+    for rank in runs["two"]:
+        got = rank[3]
+        assert got["global_step"] == 6 and got["mesh"] == (1, 2, 1)
+        assert_losses(got["logged"], z1["logged"][3:])
+        assert_same_state(got["state"], z1["state"])
 
 
 @pytest.mark.slow

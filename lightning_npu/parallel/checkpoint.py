@@ -11,10 +11,13 @@ A checkpoint is a directory (the path Lightning's `ModelCheckpoint` names, e.g.
 
 The tensor keys do not depend on the layout, which is what makes resharding work:
 
-* ``state_dict.<fqn>``: the LightningModule's `state_dict` keys (DTensors for ZeRO 3 / TP);
+* ``state_dict.<fqn>``: the LightningModule's `state_dict` keys. Every tensor is a DTensor where
+  the layout shards it: FSDP2 shards (ZeRO 2/3), tensor-parallel shards (plain local shards under
+  ZeRO 0/1 are presented as DTensor views of themselves, so DCP loads in place), and under ZeRO 1
+  the `DistributedOptimizer`'s fp32 master slices instead of the replicated parameters;
 * ``optimizer_<i>.state.<fqn>.<name>`` and ``optimizer_<i>.param_groups.<fqn>.<hparam>``: the
-  flattened form of `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`. Under
-  ZeRO 1 each rank contributes the parameters it owns; under ZeRO 2/3 every rank its shards.
+  flattened form of `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; under
+  ZeRO 1, 2 and 3 every rank contributes its dp slices of each state tensor.
 
 Loading builds the same keys for the *current* layout and lets DCP read the needed slices.
 Names and directory layout match Lightning's `ModelParallelStrategy` (``meta.pt``,
@@ -32,9 +35,8 @@ import logging
 import shutil
 import uuid
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
@@ -71,57 +73,96 @@ class CheckpointMismatchError(RuntimeError):
 
 # ---- layout-independent state dicts ----------------------------------------------------------
 def _local_optimizer(optimizer: Optimizer) -> Optimizer:
-    """The optimizer that holds this rank's state (ZeRO-1: the inner optimizer of owned params)."""
-    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-    return inner.optim if isinstance(inner, ZeroRedundancyOptimizer) else inner
+    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
 
 
-@contextmanager
-def _nonempty_groups(optimizer: Optimizer) -> Iterator[None]:
-    """Hide param groups without parameters (a ZeRO-1 rank may own none of a group's params), which
-    `torch.distributed.checkpoint.state_dict` cannot key by FQN; restore them afterwards in place."""
-    original = optimizer.param_groups
-    if all(group["params"] for group in original):
-        yield
-        return
-    optimizer.param_groups = [group for group in original if group["params"]]
-    try:
-        yield
-    finally:
-        updated = iter(optimizer.param_groups)  # load_state_dict replaces the group dicts
-        optimizer.param_groups = [next(updated) if group["params"] else group for group in original]
+def _tp_specs(module: torch.nn.Module) -> dict[str, Any]:
+    """FQN -> ShardSpec of tensor-parallel parameters held as plain local shards (ZeRO 0/1 under TP)."""
+    return {n: p._lnpu_tp for n, p in module.named_parameters(remove_duplicate=False) if getattr(p, "_lnpu_tp", None)}
 
 
-def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
-    """The module's state dict as this rank holds it: DTensor shards under ZeRO 3 / TP."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
+def _view(spec: Any, local: torch.Tensor) -> Any:
+    """A DTensor over `local`'s storage: DCP writes its global offsets and loads in place."""
+    view = spec.to_dtensor(local)
+    view._lnpu_view = True
+    return view
+
+
+def model_state_dict(module: torch.nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, Any]:
+    """The module's state dict as this rank holds it, keyed by FQN whatever the layout.
+
+    DTensor shards under ZeRO 3 / TP; tensor-parallel local shards as DTensor views of themselves;
+    parameters a ZeRO-1 `DistributedOptimizer` steps as its fp32 master slices (the exact weights).
+    """
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    masters = [o for o in map(_local_optimizer, optimizers) if hasattr(o, "master_of")]
+    specs = _tp_specs(module)
+    for key, value in sd.items():
+        param = params.get(key)
+        master = next((m for m in (o.master_of(param) for o in masters) if m is not None), None) if param is not None else None
+        if master is not None:
+            sd[key] = master
+        elif key in specs and isinstance(value, torch.Tensor):
+            sd[key] = _view(specs[key], value)
+    return sd
 
 
 def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 partition or its FSDP shards)."""
+    """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 slices, FSDP shards, or TP local shards)."""
     local = _local_optimizer(optimizer)
-    inner = getattr(optimizer, "_optimizer", optimizer)
-    if isinstance(inner, ZeroRedundancyOptimizer):
-        # ZeRO-1: LR schedulers write the exposed (global) param groups; ZeRO copies them into the local
-        # optimizer only at the start of its next step. Between steps (when Lightning saves) the local
-        # groups hold the previous step's lr, so copy the global hyper-parameters first, or the checkpoint
-        # stores (and a resume steps with) an lr one scheduler step stale.
-        ZeroRedundancyOptimizer._sync_param_groups(inner.param_groups, local.param_groups)
-    with _nonempty_groups(local):
-        return get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
+    if hasattr(local, "sharded_state_dict"):
+        return local.sharded_state_dict()  # ZeRO-1 DistributedOptimizer: DTensor slices
+    osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
+    specs = _tp_specs(module)
+    if specs:
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for key, value in osd.items():
+            if not key.startswith("state."):
+                continue
+            fqn = key[len("state."):].rsplit(".", 1)[0]
+            spec = specs.get(fqn)
+            if spec is not None and isinstance(value, torch.Tensor) and value.shape == params[fqn].shape:
+                osd[key] = _view(spec, value)
+    return osd
 
 
-def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+def _settle(templates: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+    """Write loaded values that are not the templates themselves (e.g. re-sliced full tensors) into the
+    templates' local storage where those are views/masters; return plain local tensors for the views."""
+    out = {}
+    for key, value in loaded.items():
+        template = templates.get(key)
+        is_view = getattr(template, "_lnpu_view", False)
+        is_master = getattr(template, "_lnpu_master", False)
+        if (is_view or is_master) and value is not template:
+            with torch.no_grad():
+                template.to_local().copy_(value.to_local() if isinstance(value, DTensor) else value)
+            value = template
+        out[key] = value.to_local() if is_view else value
+    return out
+
+
+def load_model_state(module: torch.nn.Module, templates: dict[str, Any], loaded: dict[str, Any],
+                     optimizers: Iterable[Optimizer] = ()) -> None:
+    """Apply a model state dict from :func:`model_state_dict` that DCP has filled (or that was re-sliced)."""
+    settled = _settle(templates, loaded)
+    masters = [k for k, t in templates.items() if getattr(t, "_lnpu_master", False)]
+    rest = {k: v for k, v in settled.items() if k not in masters}
+    set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
+    for opt in map(_local_optimizer, optimizers):
+        if hasattr(opt, "gather_parameters"):
+            opt.gather_parameters()  # masters were loaded: rebuild the replicated parameters from them
+
+
+def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: dict[str, Any],
+                         templates: Optional[dict[str, Any]] = None) -> None:
     local = _local_optimizer(optimizer)
-    with _nonempty_groups(local):
-        set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
-    inner = getattr(optimizer, "_optimizer", optimizer)
-    if isinstance(inner, ZeroRedundancyOptimizer):
-        # ZeRO copies its global groups' hyper-parameters (lr, ...) into the local optimizer every
-        # step: make the restored values the global ones (groups that own no local param keep theirs).
-        for glob, loc in zip(inner.param_groups, local.param_groups):
-            if loc["params"]:
-                glob.update({k: v for k, v in loc.items() if k != "params"})
+    state = _settle(templates if templates is not None else state, state)
+    if hasattr(local, "load_sharded_state_dict"):
+        local.load_sharded_state_dict(state)
+        return
+    set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
 
 
 # ---- paths ------------------------------------------------------------------------------------
@@ -326,16 +367,17 @@ def load_sharded(
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
     stored = checkpoint_tensor_metadata(path)
-    model_sd = check_model_keys(stored, model_state_dict(module), path, strict)
+    model_sd = check_model_keys(stored, model_state_dict(module, optimizers), path, strict)
     tensors: dict[str, Any] = {MODEL_KEY: model_sd}
     for i, optimizer in enumerate(optimizers):
         osd = optimizer_state_dict(module, optimizer)
         check_optimizer_keys(stored, osd, i, path)
         tensors[f"optimizer_{i}"] = osd
+    templates = {k: dict(v) for k, v in tensors.items()}
     dcp.load(tensors, storage_reader=FileSystemReader(str(path)))
-    set_model_state_dict(module, tensors[MODEL_KEY], options=StateDictOptions(strict=False))
     for i, optimizer in enumerate(optimizers):
-        load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"])
+        load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"], templates[f"optimizer_{i}"])
+    load_model_state(module, templates[MODEL_KEY], tensors[MODEL_KEY], optimizers)
     return read_meta(path, weights_only=weights_only)
 
 
@@ -418,7 +460,7 @@ def load_sharded_relayout(
             out[k] = f
         return out
 
-    model_sd = check_model_keys(stored, model_state_dict(module), path, strict)
+    model_sd = check_model_keys(stored, model_state_dict(module, optimizers), path, strict)
     templates: dict[str, Any] = {MODEL_KEY: model_sd}
     tensors: dict[str, Any] = {MODEL_KEY: {k: full_like(f"{MODEL_KEY}.{k}", v) for k, v in model_sd.items()}}
     for i, optimizer in enumerate(optimizers):
@@ -428,9 +470,9 @@ def load_sharded_relayout(
         tensors[f"optimizer_{i}"] = {k: full_like(f"optimizer_{i}.{k}", v) for k, v in osd.items()}
     dcp.load(tensors, storage_reader=FileSystemReader(str(path)))
     full_model = refuse_fused(unfuse_full_tensors(tensors[MODEL_KEY], saved_fused), current_fused)
-    set_model_state_dict(module, shard_like(full_model, model_sd), options=StateDictOptions(strict=False))
     for i, optimizer in enumerate(optimizers):
         osd = tensors[f"optimizer_{i}"]
         osd = refuse_fused(unfuse_full_tensors(osd, saved_fused, "state."), current_fused, "state.")
-        load_optimizer_state(module, optimizer, shard_like(osd, templates[f"optimizer_{i}"]))
+        load_optimizer_state(module, optimizer, shard_like(osd, templates[f"optimizer_{i}"]), templates[f"optimizer_{i}"])
+    load_model_state(module, model_sd, shard_like(full_model, model_sd), optimizers)
     return meta

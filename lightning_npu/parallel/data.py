@@ -1,11 +1,10 @@
 """Data parallelism over the mesh's ``dp`` dimension.
 
-ZeRO 0 and 1 keep parameters and gradients replicated, so they ride on PyTorch's
+ZeRO 0 keeps parameters, gradients and optimizer state replicated and rides on PyTorch's
 DistributedDataParallel (bucketed all-reduce overlapped with backward) restricted to the dp
-process group. ZeRO 1 additionally shards the optimizer state with PyTorch's
-ZeroRedundancyOptimizer: every rank steps only the parameters it owns and broadcasts them
-(parameter-granular partition; DDP's all-reduce, then a broadcast per owner: the same bytes
-at rest as Megatron's distributed optimizer, not its reduce-scatter/all-gather traffic).
+process group. ZeRO 1 is `lightning_npu.parallel.distributed_optimizer.DistributedOptimizer`:
+Megatron's distributed-optimizer step (reduce-scatter gradients, step the local slice, all-gather
+parameters) with no DDP wrapper; the model is only synchronised from dp-rank 0 at setup.
 
 ZeRO 2 and 3 use FSDP2 (`fully_shard`) over the dp mesh: every transformer block (each child
 of an ``nn.ModuleList``) becomes one FSDP unit, then every top-level submodule of the
@@ -28,12 +27,10 @@ Replicated-over-tp parameters (norms, position embeddings) stay plain and are sh
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -110,27 +107,12 @@ def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
         m.set_requires_gradient_sync(enabled, recurse=False)
 
 
-def shard_optimizer_state(optimizer: Optimizer, mesh: DeviceMesh) -> Optimizer:
-    """Re-create `optimizer` as a ZeroRedundancyOptimizer over the dp group (ZeRO stage 1).
+def broadcast_module_states(module: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Copy dp-rank 0's parameters and buffers to the other dp ranks (what DDP's constructor does)."""
+    from torch.distributed.utils import _sync_module_states
 
-    The user's optimizer class and every param-group hyper-parameter (lr, betas, weight decay,
-    `initial_lr` set by schedulers, ...) carry over; the caller must re-point LR schedulers.
-    """
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    if optimizer.state:
-        raise ValueError(
-            f"{type(optimizer).__name__} already holds state before ZeRO-1 sharding; return a fresh optimizer "
-            "from `configure_optimizers` (or use zero_stage=0)."
-        )
-    groups = [dict(group) for group in optimizer.param_groups]
-    # `defaults` can hold keys the constructor does not take (AdamW's `decoupled_weight_decay`).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=mesh["dp"].get_group(),
-        parameters_as_bucket_view=True, **defaults
-    )
+    group = mesh["dp"].get_group()
+    _sync_module_states(module, group, broadcast_bucket_size=250 * 2**20, src=0, params_and_buffers_to_ignore=set())
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -150,7 +132,7 @@ def gradient_bytes(module: torch.nn.Module) -> int:
 
 def sharded_optimizer_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its ZeRO shard, or everything when unsharded)."""
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
     total = 0
     for state in inner.state.values():
         for value in state.values():

@@ -50,6 +50,12 @@ def sharding_of(p: Tensor) -> Optional[tuple[object, tuple]]:
     return None
 
 
+def _is_sharded(placement: object) -> bool:
+    # FSDP2 (and ZeRO-1) over tensor-parallel dim-0 shards use `_StridedShard`, which is not a `Shard` and whose
+    # `is_shard()` is False in torch 2.13: its dim must be reduced over all the same
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
+
+
 def _reduced_placements(grad: Tensor) -> Tensor:
     if any(p.is_partial() for p in grad.placements):
         grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
@@ -75,7 +81,7 @@ def global_grad_norm(
         sharding = sharding_of(p)
         if sharding is not None:
             mesh, placements = sharding
-            shard_dims = tuple(i for i, pl in enumerate(placements) if pl.is_shard())
+            shard_dims = tuple(i for i, pl in enumerate(placements) if _is_sharded(pl))
             key = (id(mesh), shard_dims) if shard_dims else None
             if key is not None:
                 meshes[key] = (mesh, shard_dims)

@@ -1,0 +1,401 @@
+"""ZeRO-1: a distributed optimizer over the mesh's ``dp`` dimension.
+
+Every dp rank keeps the whole model (parameters replicated, as in plain data parallelism) but
+owns only a 1/dp slice of every parameter: the rows ``[r*c, (r+1)*c)`` of its dim 0, with
+``c = ceil(dim0 / dp)`` (``torch.chunk``'s split, the one DTensor ``Shard(0)`` and FSDP2 use).
+A step is Megatron's distributed-optimizer step:
+
+1. gradients are reduce-scattered in fp32 (``dist.reduce_scatter_single``) bucket by bucket, each
+   bucket launched from a post-accumulate-grad hook as soon as its last gradient is ready, so
+   communication overlaps the rest of backward; accumulating micro-steps communicate nothing;
+2. the user's optimizer (its class and hyper-parameters, re-created over the slices) steps the
+   fp32 master slices, which carry the reduced gradient slices;
+3. the updated slices are all-gathered (``dist.all_gather_single``) back into the parameters,
+   in their own dtype (bf16 parameters get fp32 masters for free: the slice is the master).
+
+Why row slices of each parameter rather than Megatron's contiguous byte range: the slices, their
+gradients and the optimizer state are then plain DTensors (``Shard(0)`` over dp, or the 2-D
+``(dp, tp)`` placements FSDP2 uses on top of tensor parallelism). Global gradient-norm clipping,
+the health guards and DCP checkpoints treat them like FSDP2's, and a ZeRO-1 checkpoint reshards
+to ZeRO 0/2/3 and any dp/tp size with no conversion. The communication volume is Megatron's; the
+price is a copy into the bucket (``torch._chunk_cat``, as FSDP2) and padding of ``dim0 % dp`` rows.
+
+Only element-wise optimizers are correct on slices (a per-parameter norm, as in LAMB, or a
+factored second moment, as in Adafactor, would see a slice); others are refused with the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.optim import Optimizer
+
+
+def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+    # torch 2.13 renamed the single-tensor collectives (the old names warn)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
+
+
+def _all_gather(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+# optimizers whose update of an element depends only on that element's gradient and state
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+
+def _tp_spec(p: torch.Tensor) -> Any:
+    return getattr(p, "_lnpu_tp", None)
+
+
+class _Slice:
+    """One parameter's place in a bucket and this rank's rows of it."""
+
+    def __init__(self, param: nn.Parameter, offset: int, dp: int, rank: int) -> None:
+        if param.dim() == 0:
+            raise ValueError(
+                "zero_stage=1 shards parameters along dim 0, but the model has a 0-dim (scalar) parameter; give it "
+                "shape (1,) or use zero_stage=0."
+            )
+        self.param = param
+        self.offset = offset  # into this rank's bucket slice
+        rows = param.shape[0]
+        self.row_numel = param[0].numel() if rows else 0
+        self.chunk_rows = math.ceil(rows / dp)
+        self.numel = self.chunk_rows * self.row_numel  # padded per-rank size
+        self.start = min(rows, rank * self.chunk_rows)
+        self.rows = max(0, min(self.chunk_rows, rows - rank * self.chunk_rows))
+
+
+class _Bucket:
+    """Parameters of one dtype whose gradients are reduce-scattered together."""
+
+    def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device) -> None:
+        self.params = params
+        self.dtype = params[0].dtype
+        self.slices: list[_Slice] = []
+        offset = 0
+        for p in params:
+            s = _Slice(p, offset, dp, rank)
+            self.slices.append(s)
+            offset += s.numel
+        self.total = offset
+        self.master = torch.zeros(offset, dtype=torch.float32, device=device)  # this rank's fp32 slice
+        self.grad = torch.zeros(offset, dtype=torch.float32, device=device)  # its reduced gradient
+        self.ready = 0
+        self.launched = False
+        self.work: Any = None
+
+    def local_view(self, flat: torch.Tensor, s: _Slice) -> torch.Tensor:
+        return flat[s.offset : s.offset + s.rows * s.row_numel].view(s.rows, *s.param.shape[1:])
+
+
+class DistributedOptimizer(Optimizer):
+    """Wraps the user's optimizer for ZeRO stage 1 (see the module docstring).
+
+    `param_groups` and `state` are the inner optimizer's, over the DTensor slices: LR schedulers,
+    clipping and checkpoints act on what is actually stepped. The strategy calls
+    :meth:`start_gradient_sync`/:meth:`finish_gradient_sync` around the stepping backward.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        bucket_size_mb: float = 25.0,
+        overlap: bool = True,
+    ) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ValueError("The optimizer is already a DistributedOptimizer.")
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise ValueError(
+                f"zero_stage=1 steps each rank's slice of every parameter, which is only correct for element-wise "
+                f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); "
+                f"{type(optimizer).__name__} is not one of them. Use zero_stage=0, or zero_stage 2/3 if the "
+                "optimizer works on FSDP2 shards."
+            )
+        if optimizer.state:
+            raise ValueError(
+                f"{type(optimizer).__name__} already holds state before ZeRO-1 sharding; return a fresh optimizer "
+                "from `configure_optimizers` (or use zero_stage=0)."
+            )
+        self.dp_mesh = mesh["dp"]
+        self.dp_group = self.dp_mesh.get_group()
+        self.dp = self.dp_mesh.size()
+        self.dp_rank = self.dp_mesh.get_local_rank()
+        self._dp_tp_mesh = mesh["dp", "tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1 else None
+        self.fqn = {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        unknown = [p for p in params if id(p) not in self.fqn]
+        if unknown:
+            raise ValueError(
+                f"{len(unknown)} optimizer parameter(s) are not parameters of the LightningModule; ZeRO-1 needs every "
+                "optimized tensor to be a module parameter (register it, or use zero_stage=0)."
+            )
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("A parameter appears in more than one optimizer param group.")
+        device = params[0].device if params else torch.device("cpu")
+        self.buckets = self._make_buckets(params, bucket_size_mb, device)
+        self._slice_of: dict[int, tuple[_Bucket, _Slice]] = {}
+        self._shard_of: dict[int, nn.Parameter] = {}  # model param id -> master DTensor parameter
+        self._grad_of: dict[int, DTensor] = {}
+        for bucket in self.buckets:
+            for s in bucket.slices:
+                self._slice_of[id(s.param)] = (bucket, s)
+                with torch.no_grad():
+                    bucket.local_view(bucket.master, s).copy_(s.param.detach()[s.start : s.start + s.rows])
+                master = nn.Parameter(self._dtensor(bucket.local_view(bucket.master, s), s.param))
+                master._lnpu_master = True  # checkpoints store it in place of the parameter
+                for attr, value in vars(s.param).items():
+                    if attr.startswith("_lnpu") and attr != "_lnpu_tp":
+                        setattr(master, attr, value)
+                self._shard_of[id(s.param)] = master
+                self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param)
+
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self._shard_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.inner = type(optimizer)(groups, **defaults)
+        for group, original in zip(self.inner.param_groups, optimizer.param_groups):
+            group.update({k: v for k, v in original.items() if k != "params"})  # e.g. `initial_lr`
+        self.model_params = params
+        self.overlap = overlap
+        self.sync_enabled = True
+        self._hooks: list[Any] = []
+        if overlap:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if p.requires_grad]
+        # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the inner optimizer's groups/state
+        Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
+
+    # ---- layout ---------------------------------------------------------------------------
+    def _make_buckets(self, params: list[nn.Parameter], bucket_size_mb: float, device: torch.device) -> list[_Bucket]:
+        # reverse registration order approximates the order backward produces gradients (as DDP assumes)
+        limit = max(1, int(bucket_size_mb * 2**20))
+        buckets: list[_Bucket] = []
+        pending: dict[torch.dtype, list[nn.Parameter]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for p in reversed(params):
+            group = pending.setdefault(p.dtype, [])
+            group.append(p)
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * 4
+            if sizes[p.dtype] >= limit:
+                buckets.append(_Bucket(group, self.dp, self.dp_rank, device))
+                pending[p.dtype], sizes[p.dtype] = [], 0
+        buckets.extend(_Bucket(group, self.dp, self.dp_rank, device) for group in pending.values() if group)
+        return buckets
+
+    def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
+        spec = _tp_spec(param)
+        if spec is None:
+            return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
+                                      stride=param.stride())
+        assert self._dp_tp_mesh is not None
+        (tp_placement,) = spec.placements
+        if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
+            dp_placement = _StridedShard(0, split_factor=spec.mesh.size())  # dp slices each tp shard's rows
+        else:
+            dp_placement = Shard(0)
+        return DTensor.from_local(local, self._dp_tp_mesh, (dp_placement, tp_placement), run_check=False,
+                                  shape=spec.shape, stride=spec.stride)
+
+    def master_of(self, param: torch.Tensor) -> Optional[nn.Parameter]:
+        """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here)."""
+        return self._shard_of.get(id(param))
+
+    # ---- gradients ------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return  # accumulating micro-step: gradients stay local, nothing is communicated
+        bucket, _ = self._slice_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # buckets are launched in a fixed order on every rank (collectives must match), each once all earlier
+        # ones are in flight
+        for bucket in self.buckets:
+            if bucket.launched:
+                continue
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        send = torch.empty(self.dp, bucket.total, dtype=torch.float32, device=bucket.grad.device)
+        # rank-major, each gradient's dim 0 chunked and zero-padded: rank r's part is its rows of every gradient
+        torch._chunk_cat(grads, dim=0, num_chunks=self.dp, out=send)
+        for p in bucket.params:
+            p.grad = None  # the reduced slice replaces the full local gradient (no stale full copy to misread)
+        bucket.work = _reduce_scatter(bucket.grad, send.view(-1), group=self.dp_group, async_op=True)
+        bucket.send = send
+        bucket.launched = True
+
+    def finish_gradient_sync(self) -> None:
+        """End of the stepping backward: reduce what the hooks did not launch, wait, average, attach.
+
+        A backward that gave none of this optimizer's parameters a gradient (another optimizer's turn under
+        manual optimization) communicates nothing and leaves the masters without gradients, so it steps nothing.
+        """
+        if not any(b.launched or b.ready for b in self.buckets) and all(p.grad is None for p in self.model_params):
+            for master in self._shard_of.values():
+                master.grad = None
+            return
+        for bucket in self.buckets:
+            bucket.ready = len(bucket.params)
+        self._launch_ready()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work, bucket.send = None, None
+            bucket.grad.div_(self.dp)
+            bucket.ready, bucket.launched = 0, False
+        for pid, master in self._shard_of.items():
+            master.grad = self._grad_of[pid]
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gradients the parameters hold now (no hooks: e.g. after a pipeline schedule)."""
+        self.finish_gradient_sync()
+
+    # ---- step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """All-gather every rank's master slice into the (replicated) parameters, in their dtype."""
+        pending = []
+        for bucket in self.buckets:
+            mine = bucket.master.to(bucket.dtype)
+            full = torch.empty(self.dp, bucket.total, dtype=bucket.dtype, device=mine.device)
+            work = _all_gather(full.view(-1), mine, group=self.dp_group, async_op=True)
+            pending.append((bucket, full, work))
+        for bucket, full, work in pending:
+            work.wait()
+            for s in bucket.slices:
+                rows = s.param.shape[0]
+                part = full[:, s.offset : s.offset + s.numel].reshape(self.dp * s.chunk_rows, *s.param.shape[1:])
+                s.param.copy_(part[:rows])
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.inner.step()
+        self.gather_parameters()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # the masters' gradients are views of the reduce-scatter output, rewritten by every sync
+        for p in self.model_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # ---- state ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """FQN-keyed, flattened (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hparam>``) like
+        `get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)` gives for FSDP2: DTensor slices."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(self.inner)
+        for pid, master in self._shard_of.items():
+            master.grad = self._grad_of[pid]
+        out: dict[str, Any] = {}
+        fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
+        for group in self.inner.param_groups:
+            for master in group["params"]:
+                fqn = fqn_of_master[id(master)]
+                for name, value in self.inner.state.get(master, {}).items():
+                    out[f"state.{fqn}.{name}"] = value
+                for k, v in group.items():
+                    if k != "params":
+                        out[f"param_groups.{fqn}.{k}"] = v
+        return out
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a dict from :meth:`sharded_state_dict` whose tensors DCP has filled in place."""
+        fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
+        for group in self.inner.param_groups:
+            for master in group["params"]:
+                fqn = fqn_of_master[id(master)]
+                slot = self.inner.state.setdefault(master, {})
+                prefix = f"state.{fqn}."
+                for key, value in state.items():
+                    if key.startswith(prefix):
+                        current = slot.get(key[len(prefix):])
+                        if current is not value:
+                            slot[key[len(prefix):]] = value
+            first = fqn_of_master[id(group["params"][0])] if group["params"] else None
+            if first is not None:
+                for key, value in state.items():
+                    if key.startswith(f"param_groups.{first}."):
+                        group[key[len(f"param_groups.{first}."):]] = value
+
+    def master_state_dict(self) -> dict[str, DTensor]:
+        """FQN -> fp32 master slice (DTensor): the exact weights, for sharded checkpoints."""
+        return {self.fqn[pid]: master for pid, master in self._shard_of.items()}
+
+    @torch.no_grad()
+    def refresh_masters_from_parameters(self) -> None:
+        """After parameters were loaded directly (e.g. a single-file checkpoint), re-slice the masters."""
+        for bucket in self.buckets:
+            for s in bucket.slices:
+                bucket.local_view(bucket.master, s).copy_(s.param.detach()[s.start : s.start + s.rows])
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError(
+            "A ZeRO-1 DistributedOptimizer holds only this rank's slices; use the strategy's sharded checkpoints "
+            "(trainer.save_checkpoint) or `sharded_state_dict()` with torch.distributed.checkpoint."
+        )
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (unsharded) torch optimizer state dict, e.g. from a ZeRO-0 single-file checkpoint."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.inner.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.inner.param_groups)
+        ):
+            raise ValueError(
+                "The optimizer state does not match this optimizer's param groups (group count or sizes differ); "
+                "resume with the same `configure_optimizers`."
+            )
+        by_master = {id(m): self._slice_of[pid][1] for pid, m in self._shard_of.items()}
+        for saved, mine in zip(groups, self.inner.param_groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+            for index, master in zip(saved["params"], mine["params"]):
+                s = by_master[id(master)]
+                entry = {}
+                for name, value in state_dict["state"].get(index, {}).items():
+                    if isinstance(value, torch.Tensor) and value.shape == s.param.shape:
+                        local = value[s.start : s.start + s.rows].to(torch.float32).contiguous()
+                        value = self._dtensor(local, s.param)
+                    elif isinstance(value, torch.Tensor):
+                        value = value.clone()
+                    entry[name] = value
+                self.inner.state[master] = entry
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer(dp={self.dp}, buckets={len(self.buckets)}, inner={self.inner!r})"
