@@ -140,19 +140,13 @@ class ParallelConfig:
                     f"`{name}={getattr(self, name)!r}`: {feature} is not implemented yet in lightning-npu; "
                     f"leave `{name}` at its default for now."
                 )
-        # ZeRO 2/3 composes with tensor parallelism (FSDP2 over mesh["dp"] on top of DTensor TP, the 2-D
-        # (dp, tp) layout); not yet with pipeline parallelism, nor with sequence parallelism
+        # ZeRO 2/3 composes with tensor and sequence parallelism (FSDP2 over mesh["dp"] on top of DTensor TP,
+        # the 2-D (dp, tp) layout); not yet with pipeline parallelism
         if self.zero_stage in (2, 3) and self.pipeline_parallel_size > 1:
             raise NotImplementedYetError(
                 f"`zero_stage={self.zero_stage}` with `pipeline_parallel_size={self.pipeline_parallel_size}`: FSDP2 on "
                 "top of pipeline parallelism is not implemented yet in lightning-npu; use zero_stage=1 with pp > 1 "
                 "for now."
-            )
-        if self.zero_stage in (2, 3) and self.sequence_parallel:
-            raise NotImplementedYetError(
-                f"`zero_stage={self.zero_stage}` with `sequence_parallel=True`: FSDP2 on top of sequence-parallel "
-                "tensor parallelism is not implemented yet in lightning-npu; use sequence_parallel=False (ZeRO 2/3 "
-                "with tensor_parallel_size>1 works) or zero_stage=1."
             )
 
     # ---- checks that need the world size --------------------------------------------------

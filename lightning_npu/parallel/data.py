@@ -23,10 +23,18 @@ unchanged, and DCP saves and reshards the 2-D shards natively. (FSDP2 over the *
 shards was rejected: the per-module DTensor-rebuild hooks hold the original parameter objects,
 which FSDP2 replaces, and DCP would see the same key with different contents on the two tp ranks.)
 Replicated-over-tp parameters (norms, position embeddings) stay plain and are sharded over dp only.
+
+Sequence parallelism makes the norms DTensors replicated over tp (DTensor's ``SequenceParallel``):
+they see sequence shards, so their weight gradients are partial sums over tp, which FSDP2
+all-reduces before its reduce-scatter, in the dtype it gathered the parameters in. Under bf16
+compute that would be a bf16 gradient reduction; those norms therefore become their own FSDP
+units gathered in fp32 (a few KiB each), so the reduction stays fp32 as everywhere else.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -68,7 +76,7 @@ def fully_shard_data_parallel(
     `param_dtype` (bf16-mixed compute) parameters are all-gathered in that dtype while the stored
     shards, the optimizer's master copy, stay fp32, and gradients are reduced in fp32.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"fully_shard_data_parallel is for zero_stage 2 or 3, got {zero_stage}.")
@@ -78,12 +86,29 @@ def fully_shard_data_parallel(
             f"zero_stage={zero_stage} shards submodules, but {type(module).__name__} holds parameters directly "
             f"({', '.join(direct)}); move them into a submodule (e.g. `self.head = nn.Linear(...)`) or use zero_stage=1."
         )
+    from lightning_npu.parallel.tensor import tp_replicated_modules
+
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=zero_stage == 3, mp_policy=mp)
+    if param_dtype not in (None, torch.float32):
+        # sequence-parallel norms: their gradients are partial sums over tp, which FSDP2 all-reduces in the
+        # gathered dtype; their own fp32 units keep that reduction fp32 (they compute in fp32 anyway). Kept
+        # gathered until backward (a few KiB): no second all-gather, and nothing to re-gather if the model
+        # modifies a norm output in place (SequenceParallel returns a view, which FSDP2 warns about)
+        norms = tp_replicated_modules(module)
+        for norm in norms:
+            fully_shard(norm, mesh=mesh["dp"], reshard_after_forward=False,
+                        mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        if norms:
+            names = "|".join(sorted({re.escape(type(n).__name__) for n in norms}))
+            warnings.filterwarnings(
+                "ignore", message=rf"FSDP2-wrapped module \((?:{names})\) returned a view tensor", category=UserWarning
+            )
     for unit in _fsdp_units(module):
-        fully_shard(unit, **kwargs)
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, **kwargs)
     for child in module.children():
-        if any(True for _ in child.parameters()):
+        if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
             fully_shard(child, **kwargs)
     return module
 

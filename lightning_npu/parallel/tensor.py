@@ -653,6 +653,21 @@ def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def tp_replicated_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules holding DTensor parameters replicated over tp: the sequence-parallel norms (``SequenceParallel``).
+
+    They see sequence-sharded inputs, so each tp rank computes only a partial sum of their weight
+    gradients (a ``Partial`` DTensor). Under FSDP2 that sum is all-reduced over tp in the dtype the
+    parameters were gathered in, before FSDP's ``reduce_dtype`` applies; the caller uses this list to
+    gather these (tiny) parameters in fp32 so that the tp reduction of their gradients is fp32 too.
+    """
+    return [
+        m for m in model.modules()
+        if any(isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
+               for p in m.parameters(recurse=False))
+    ]
+
+
 def unfuse_full_tensors(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Full tensors gathered from DTensor parameters hold fused projections rank-major: restore the original
     (part-major) layout. `full` keys may carry `prefix` (e.g. ``"state."`` for optimizer entries)."""
