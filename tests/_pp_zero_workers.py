@@ -15,7 +15,7 @@ from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel import data as data_parallel
 from tests._gpt_workers import LossRecorder, parity_trainer
-from tests._pp_workers import PP_GPT
+from tests._pp_workers import PP_GPT, GradNormRecorder
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -73,13 +73,15 @@ def run(
     ckpt_in: Optional[str] = None,
     limit_train_batches: Optional[int] = 3,
     validate: bool = False,
+    gradient_clip_val: Optional[float] = None,
 ) -> dict[str, Any]:
     """Train the 4-block GPT (fp32); returns logged losses, this rank's full (dp-gathered) state, what a resume
-    restored (`restored`: the parameters at `on_train_start`), reduce-scatter counts per micro-step."""
+    restored (`restored`: the parameters at `on_train_start`), reduce-scatter counts per micro-step, the global
+    gradient norms clipping saw, the validation loss (`validate`: after fit, through the eval schedule)."""
     L.seed_everything(0, verbose=False)
     strategy = NPUHybridStrategy(**strategy_kwargs)
     model = GPTModule(**PP_GPT)
-    recorder, counter = LossRecorder(), ReduceScatterCounter()
+    recorder, counter, norms = LossRecorder(), ReduceScatterCounter(), GradNormRecorder()
     restored: dict[str, Any] = {}
 
     class Restored(L.Callback):
@@ -89,8 +91,9 @@ def run(
                 restored["step"] = trainer.global_step
 
     trainer, data = parity_trainer(
-        strategy, model, devices, global_batch, steps, [recorder, counter, Restored()], ckpt_dir, limit_train_batches,
-        num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
+        strategy, model, devices, global_batch, steps, [recorder, counter, norms, Restored()], ckpt_dir,
+        limit_train_batches, num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
+        gradient_clip_val=gradient_clip_val,
     )
     counter.install()
     try:
@@ -104,6 +107,7 @@ def run(
         "state": full_local_state(model),
         "restored": restored,
         "reduce_scatters": counter.counts,
+        "grad_norms": norms.norms,
         "val_loss": None if val is None else float(val),
         "global_step": trainer.global_step,
         "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
