@@ -164,7 +164,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         if self.parallel_config.pipeline_parallel_size > 1:
             # no DDP wrapper: the pipeline schedule runs forward and backward (DDP's forward never runs), and
             # `backward` averages the stage's gradients over mesh["dp"] itself; under ZeRO 2/3 FSDP2 on each stage
-            # module (split, tp, FSDP, then the PipelineStages: torchtitan's order) reduce-scatters them instead
+            # module (after the split, before any PipelineStage: torchtitan's order) reduce-scatters them instead
             self._setup_pipeline(model)
             if zero23:
                 self._pipeline.fully_shard(self.device_mesh["dp"], self.parallel_config.zero_stage,

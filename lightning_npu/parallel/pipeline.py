@@ -36,9 +36,10 @@ their original names (checkpoints are per stage and reshard by name), and ``conf
 sees only local parameters. Gradients are plain tensors owned by exactly one stage: a global gradient
 norm is the per-stage sum of squares all-reduced over the ``pp`` group.
 
-ZeRO 2/3 (``zero_stage`` 2 or 3) compose as in torchtitan: split into stage modules, tensor parallelism,
-then FSDP2 over ``dp`` on each stage module (`PipelineRunner.fully_shard`, which calls
-`lightning_npu.parallel.data.fully_shard_pipeline_stage`), then the `PipelineStage`s. Parameters, their
+ZeRO 2/3 (``zero_stage`` 2 or 3) compose as in torchtitan: stage modules, then FSDP2 over ``dp`` on each
+stage module (`PipelineRunner.fully_shard`, which calls `lightning_npu.parallel.data.fully_shard_pipeline_stage`),
+then the `PipelineStage`s, so that torch's stage finds FSDP roots. (Tensor parallelism, per module, is applied
+before the split; zero 2/3 x pp x tp is refused for now.) Parameters, their
 gradients and the optimizer state are dp-sharded DTensors of this rank's stages; torch's pipelining
 stage drives FSDP so that a schedule step reduce-scatters once, after its last micro-batch's backward
 (replacing the dp all-reduce of ZeRO 0/1). On Lightning's accumulating micro-steps
@@ -405,7 +406,8 @@ def _stage_class() -> type:
     torch's stage reduce-scatters an FSDP stage's gradients at the end of *every* schedule step; one
     schedule step is one Lightning micro-step, so under ``accumulate_grad_batches`` that would
     communicate on each of them. The runner's ``sync_grads`` (False inside the strategy's
-    `block_backward_sync`) decides instead.
+    `block_backward_sync`) decides instead. (No gradient scaling to skip: the runner's schedules are built
+    with ``scale_grads=False``.)
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
@@ -421,8 +423,6 @@ def _stage_class() -> type:
             if self._runner.sync_grads or not isinstance(self.submod, FSDPModule):
                 return super().perform_reduce_grad(grad_scale_factor)
             finish_backward_without_reduce(self.submod)
-            if grad_scale_factor != 1:  # pragma: no cover - the runner builds schedules with scale_grads=False
-                raise RuntimeError("pipeline schedules must not scale gradients while accumulating under FSDP")
 
     return _Stage
 
