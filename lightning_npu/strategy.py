@@ -155,16 +155,21 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             from lightning_npu.ops import rewrite_modules
 
             self.fusion_report = rewrite_modules(model, device=self.root_device)
-        if self.parallel_config.zero_stage in (2, 3):
+        zero23 = self.parallel_config.zero_stage in (2, 3)
+        if zero23 and self.parallel_config.pipeline_parallel_size == 1:
             # tp first, parameters kept as DTensors on mesh["tp"]; FSDP2 over mesh["dp"] then makes them 2-D
             # (dp, tp) DTensors, as torchtitan composes them. No DDP wrapper.
             self._apply_tensor_parallel(model, localize=False)
             return self._fully_shard(model)  # (ShardedStrategyMixin)
-        sharded = self._apply_tensor_parallel(model)
+        sharded = self._apply_tensor_parallel(model, localize=not zero23)
         if self.parallel_config.pipeline_parallel_size > 1:
             # no DDP wrapper: the pipeline schedule runs forward and backward (DDP's forward never runs), and
-            # `_pipeline_step` averages the stage's gradients over mesh["dp"] itself
+            # `backward` averages the stage's gradients over mesh["dp"] itself; under ZeRO 2/3 FSDP2 on each stage
+            # module (after the split, before any PipelineStage: torchtitan's order) reduce-scatters them instead
             self._setup_pipeline(model)
+            if zero23:
+                self._pipeline.fully_shard(self.device_mesh["dp"], self.parallel_config.zero_stage,
+                                           data_parallel.fsdp_param_dtype(self.precision_plugin))
             return model
         if self._uses_distributed_optimizer():
             # ZeRO-1: no DDP wrapper, the DistributedOptimizer reduce-scatters the gradients itself (set up with
@@ -443,7 +448,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 # the loss scale (HybridPrecision) and Lightning's 1/accumulate_grad_batches go into each
                 # micro-batch's loss, so the gradients come out as a non-pipelined backward would leave them
                 factor = float(getattr(plugin, "loss_scale", 1.0)) / max(1, trainer.accumulate_grad_batches)
-                loss = runner.train_step(batch, factor)
+                loss = runner.train_step(batch, factor, sync_grads=self._pp_sync_grads)
         hook = getattr(module, "on_pipeline_loss", None)
         if callable(hook):
             hook(kind, loss, batch, batch_idx)

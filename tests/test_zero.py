@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfig
+from lightning_npu.parallel.config import ParallelConfig
 from tests._zero_workers import run_many
 
 RTOL, ATOL = 1e-5, 1e-6  # as in test_foundation_parity: a missing/wrong reduction moves params by ~lr = 3e-3
@@ -95,10 +95,9 @@ def test_per_rank_bytes_halve_by_stage(runs):
         assert z3["param_bytes_fwd"][-1] == pytest.approx(full_params / 2, rel=0.02)
 
 
-def test_zero23_with_pp_is_refused_clearly():
-    # zero 2/3 with tp > 1 works (tests/test_zero_tp.py); with pp > 1 not yet
-    with pytest.raises(NotImplementedYetError, match=r"`zero_stage=3` with `pipeline_parallel_size=2`"):
-        ParallelConfig(zero_stage=3, pipeline_parallel_size=2)
+def test_zero23_with_pp_is_accepted():
+    # zero 2/3 with tp > 1 works (tests/test_zero_tp.py), with pp > 1 too (tests/test_pipeline_zero.py)
+    assert ParallelConfig(zero_stage=3, pipeline_parallel_size=2).pipeline_parallel_size == 2
 
 
 def test_zero1_refuses_non_elementwise_optimizers():

@@ -170,7 +170,8 @@ def test_tp1_zero3_checkpoint_loads_at_dp2_tp2(runs):
 def test_zero23_with_tp_accepted_pipeline_refused():
     for stage in (2, 3):
         assert ParallelConfig(zero_stage=stage, tensor_parallel_size=2).tensor_parallel_size == 2
-        with pytest.raises(NotImplementedYetError, match=rf"`zero_stage={stage}` with `pipeline_parallel_size=2`"):
+        with pytest.raises(NotImplementedYetError, match=rf"`zero_stage={stage}` with `pipeline_parallel_size=2` and "
+                                                         r"`tensor_parallel_size=2`"):
             ParallelConfig(zero_stage=stage, tensor_parallel_size=2, pipeline_parallel_size=2)
         # sequence parallelism composes too (tests/test_zero_sp.py)
         assert ParallelConfig(zero_stage=stage, tensor_parallel_size=2, sequence_parallel=True).sequence_parallel

@@ -113,6 +113,73 @@ def fully_shard_data_parallel(
     return module
 
 
+# ---- ZeRO 2/3 under pipeline parallelism (used by lightning_npu.parallel.pipeline) -------------------
+def fsdp_param_dtype(precision_plugin: Any) -> Optional[torch.dtype]:
+    """bf16-mixed compute all-gathers bf16 copies of the fp32 master shards; every other precision gathers as stored."""
+    return torch.bfloat16 if str(getattr(precision_plugin, "precision", "")) == "bf16-mixed" else None
+
+
+def fully_shard_pipeline_stage(
+    stage: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    param_dtype: Optional[torch.dtype] = None,
+) -> torch.nn.Module:
+    """FSDP2 over `dp_mesh` on one pipeline stage module (torchtitan's order: tp, then FSDP, then PipelineStage).
+
+    Every module the stage holds in an ``nn.ModuleList`` (its blocks, its embedding and head modules) becomes
+    its own FSDP unit, and the stage module itself the parameterless FSDP root. Why: (1) torch's
+    `PipelineStage` recognises an FSDP root and then skips the reduce-scatter on all but the last micro-batch's
+    backward, reducing once per schedule step; (2) each unit is also a module of the LightningModule, so
+    FSDP2's state-dict hooks (which put the sharded parameters back after a forward that left them gathered)
+    fire when Lightning and DCP read ``LightningModule.state_dict()``; a root holding parameters would not be
+    in that tree. ZeRO 2 keeps the gathered parameters from forward to backward, ZeRO 3 gathers them again
+    for each micro-batch's backward (torchtitan's default under PP is the former, to save per-micro-batch
+    all-gathers: pick zero_stage=2 for that); both reshard after the step's backward.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if zero_stage not in (2, 3):
+        raise ValueError(f"fully_shard_pipeline_stage is for zero_stage 2 or 3, got {zero_stage}.")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp)
+    units = _fsdp_units(stage)
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    loose = [n for n, p in stage.named_parameters() if id(p) not in in_units]
+    if loose:
+        raise ValueError(
+            f"pipeline stage {type(stage).__name__} holds parameters {loose[:4]} outside its module lists; under "
+            f"zero_stage={zero_stage} every stage parameter must live in a block, embedding or head module."
+        )
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(stage, **kwargs)
+    return stage
+
+
+def finish_backward_without_reduce(stage: torch.nn.Module) -> None:
+    """End a pipeline schedule's backward on an FSDP stage root without gradient communication.
+
+    Used on the accumulating micro-steps of ``accumulate_grad_batches``, in place of what torch's
+    `PipelineStage.perform_reduce_grad` does at the end of every schedule step (turn gradient sync back
+    on and run each FSDP group's post-backward: a reduce-scatter per unit). Here the post-backward runs
+    with sync off, exactly as FSDP2's own no-sync backward: parameters are resharded and the unsharded
+    gradients stay with FSDP, to be added in and reduce-scattered by the stepping micro-step.
+    (`PipelineStage` reaches into the same FSDP2 state; there is no public API for this yet.)
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    stage.set_is_last_backward(True)
+    stage.set_reshard_after_backward(True)
+    stage.set_requires_gradient_sync(False)
+    state = fully_shard.state(stage)
+    for sub in state._state_ctx.all_states:
+        for group in sub._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    stage.set_requires_gradient_sync(True)  # FSDP2's default between steps; the schedule sets it per backward
+
+
 def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 

@@ -35,10 +35,22 @@ parameterless placeholders, so ``parameters()``/``state_dict()`` of a rank are t
 their original names (checkpoints are per stage and reshard by name), and ``configure_optimizers``
 sees only local parameters. Gradients are plain tensors owned by exactly one stage: a global gradient
 norm is the per-stage sum of squares all-reduced over the ``pp`` group.
+
+ZeRO 2/3 (``zero_stage`` 2 or 3) compose as in torchtitan: stage modules, then FSDP2 over ``dp`` on each
+stage module (`PipelineRunner.fully_shard`, which calls `lightning_npu.parallel.data.fully_shard_pipeline_stage`),
+then the `PipelineStage`s, so that torch's stage finds FSDP roots. (Tensor parallelism, per module, is applied
+before the split; zero 2/3 x pp x tp is refused for now.) Parameters, their
+gradients and the optimizer state are dp-sharded DTensors of this rank's stages; torch's pipelining
+stage drives FSDP so that a schedule step reduce-scatters once, after its last micro-batch's backward
+(replacing the dp all-reduce of ZeRO 0/1). On Lightning's accumulating micro-steps
+(``accumulate_grad_batches``) that reduce-scatter is skipped too (`_Stage.perform_reduce_grad`): the
+unsharded gradients stay with FSDP until the stepping micro-step. Checkpoint keys are unchanged (the
+original FQNs, DTensor values), so DCP reshards across pp, dp and zero stages.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -387,6 +399,34 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], group: Any, bucket_byte
                 bucket, size = [], 0
 
 
+@functools.cache
+def _stage_class() -> type:
+    """`PipelineStage` that skips FSDP2's gradient reduce-scatter while Lightning accumulates gradients.
+
+    torch's stage reduce-scatters an FSDP stage's gradients at the end of *every* schedule step; one
+    schedule step is one Lightning micro-step, so under ``accumulate_grad_batches`` that would
+    communicate on each of them. The runner's ``sync_grads`` (False inside the strategy's
+    `block_backward_sync`) decides instead. (No gradient scaling to skip: the runner's schedules are built
+    with ``scale_grads=False``.)
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_npu.parallel.data import finish_backward_without_reduce
+
+    class _Stage(PipelineStage):
+        def __init__(self, *args: Any, runner: "PipelineRunner", **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._runner = runner
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            if self._runner.sync_grads or not isinstance(self.submod, FSDPModule):
+                return super().perform_reduce_grad(grad_scale_factor)
+            finish_backward_without_reduce(self.submod)
+
+    return _Stage
+
+
 # ---- running ------------------------------------------------------------------------------------
 class PipelineRunner:
     """Owns this rank's stages and the schedules; `step(kind, batch)` runs one pipelined step."""
@@ -412,6 +452,10 @@ class PipelineRunner:
         self._unscaled: dict[int, torch.Tensor] = {}
         self.loss_factor = 1.0
         self._pending_grads: Optional[list[Optional[torch.Tensor]]] = None
+        # ZeRO 2/3: FSDP2 on the stage modules (`fully_shard`); False while Lightning accumulates gradients
+        self.fully_sharded = False
+        self.sync_grads = True
+        self._sharded_params: Optional[list[torch.Tensor]] = None
 
     # -- split ------------------------------------------------------------------------------------
     def _split(self) -> list[StageModule]:
@@ -434,7 +478,25 @@ class PipelineRunner:
                 _replace(module, name, AbsentModule(name, s))
         return stages
 
+    def fully_shard(self, dp_mesh: Any, zero_stage: int, param_dtype: Optional[torch.dtype] = None) -> None:
+        """ZeRO 2/3: FSDP2 over `dp_mesh` on each local stage module, before any schedule (PipelineStage) exists."""
+        if self.fully_sharded:
+            return
+        if self._schedules:
+            raise RuntimeError("PipelineRunner.fully_shard must run before the first pipeline step.")
+        from lightning_npu.parallel.data import fully_shard_pipeline_stage
+
+        for stage in self.stage_modules:
+            fully_shard_pipeline_stage(stage, dp_mesh, zero_stage, param_dtype)
+        self.fully_sharded = True
+        # the sharded parameters (what the optimizer holds): between a forward that keeps them gathered
+        # (ZeRO 2, evaluation) and the next backward, the modules expose FSDP's unsharded tensors instead
+        self._sharded_params = None
+        self._sharded_params = self.stage_parameters()
+
     def stage_parameters(self) -> list[torch.Tensor]:
+        if self._sharded_params is not None:
+            return list(self._sharded_params)
         seen, out = set(), []
         for stage in self.stage_modules:
             for p in stage.parameters():
@@ -503,7 +565,6 @@ class PipelineRunner:
     # -- schedules --------------------------------------------------------------------------------
     def _schedule(self, kind: str, m: int, shape_key: tuple) -> Any:
         from torch.distributed.pipelining import (
-            PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
@@ -512,8 +573,9 @@ class PipelineRunner:
 
         key = (kind, m, shape_key)
         if key not in self._schedules:
+            stage_cls = _stage_class()
             stages = [
-                PipelineStage(sm, sm.stage, self.plan.num_stages, self.device, group=self.group)
+                stage_cls(sm, sm.stage, self.plan.num_stages, self.device, group=self.group, runner=self)
                 for sm in self.stage_modules
             ]
             loss_fn = {"train": self._train_loss, "eval": self._eval_loss}.get(kind)
@@ -552,12 +614,15 @@ class PipelineRunner:
         leaves = [x] if isinstance(x, torch.Tensor) else list(x.values() if isinstance(x, dict) else x)
         return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
 
-    def train_step(self, batch: Any, loss_factor: float) -> torch.Tensor:
+    def train_step(self, batch: Any, loss_factor: float, sync_grads: bool = True) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (unscaled) on every pp rank.
 
         The step's gradients are held aside (`.grad` is left as it was) until `apply_gradients()`: Lightning
         zeroes gradients *between* `training_step` and `backward`, and the strategy's `backward` applies them.
+        ``sync_grads=False`` (an accumulating micro-step): under ZeRO 2/3 no reduce-scatter; FSDP keeps the
+        unsharded gradients and no sharded gradient comes out of this step.
         """
+        self.sync_grads = sync_grads
         params = self.stage_parameters()
         saved = [p.grad for p in params]
         for p in params:
@@ -571,7 +636,9 @@ class PipelineRunner:
         return loss
 
     def apply_gradients(self) -> bool:
-        """Accumulate the gradients of the last `train_step` into `.grad`; False when there were none."""
+        """Accumulate the gradients of the last `train_step` into `.grad`; True when the caller must still average
+        them over dp (ZeRO 0/1). False when there were none, or under ZeRO 2/3, where FSDP2 reduce-scattered
+        (averaged) them over dp inside the schedule already."""
         pending, self._pending_grads = self._pending_grads, None
         if pending is None:
             return False
@@ -582,7 +649,7 @@ class PipelineRunner:
                 p.grad = g
             else:
                 p.grad.add_(g)
-        return True
+        return not self.fully_sharded
 
     def _train_step(self, batch: Any, loss_factor: float) -> torch.Tensor:
         inputs, targets = self.split_batch(batch)
