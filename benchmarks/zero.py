@@ -6,7 +6,8 @@ Each (dp, mode) runs in fresh processes (so peak RSS is its own) on CPU/gloo, tr
 GPT in fp32 with AdamW. Bytes are counted from tensors (local shards), not RSS:
 
 * parameters "at rest" (after the optimizer step) and "in backward" (what forward left gathered);
-* gradients before the optimizer step; optimizer state after it.
+* gradients the optimizer steps with (DDP's full gradients, ZeRO-1's reduce-scattered slices, FSDP2's
+  shards), and the model's own gradients still held at that point; optimizer state after the step.
 
 The ZeRO paper's formula for mixed-precision Adam is (2 + 2 + 12) bytes/param (bf16 params, bf16
 grads, fp32 master + 2 moments); in this fp32 run the same split is (4 + 4 + 8) bytes/param (no
@@ -34,7 +35,6 @@ PER_RANK_BATCH = 4
 
 def _worker(mode: str, steps: int) -> dict:
     import lightning as L
-    import torch
 
     import lightning_npu  # noqa: F401
     from examples.gpt.data import TextDataModule
@@ -71,7 +71,8 @@ def _worker(mode: str, steps: int) -> dict:
         "params": n_params,
         "param_bytes_rest": probe.param_bytes_rest[-1],
         "param_bytes_backward": probe.param_bytes_fwd[-1],
-        "grad_bytes": probe.grad_bytes[-1],
+        "grad_bytes": probe.step_grad_bytes[-1],
+        "model_grad_bytes": probe.grad_bytes[-1],
         "optimizer_bytes": probe.optim_bytes[-1],
         "peak_rss_bytes": dev.peak_rss_bytes(),
         "tokens_per_s": world * PER_RANK_BATCH * MODEL["block_size"] / step_time,
@@ -111,6 +112,7 @@ def main() -> None:
                 "param_bytes_rest": max(r["param_bytes_rest"] for r in ranks),
                 "param_bytes_backward": max(r["param_bytes_backward"] for r in ranks),
                 "grad_bytes": max(r["grad_bytes"] for r in ranks),
+                "model_grad_bytes": max(r["model_grad_bytes"] for r in ranks),
                 "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
                 "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
                 "tokens_per_s": r0["tokens_per_s"],

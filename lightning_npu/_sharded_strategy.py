@@ -35,9 +35,8 @@ class ShardedStrategyMixin:
 
     # ---- ZeRO 2/3 (FSDP2) -------------------------------------------------------------------
     def _fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        precision = str(getattr(self.precision_plugin, "precision", ""))
         # bf16 compute: gather bf16 copies of the fp32 master shards; gradients reduce in fp32
-        param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+        param_dtype = data_parallel.fsdp_param_dtype(self.precision_plugin)
         data_parallel.fully_shard_data_parallel(model, self.device_mesh, self.parallel_config.zero_stage, param_dtype)
         # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
         model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]

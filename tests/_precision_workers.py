@@ -43,7 +43,8 @@ def master_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     zero1 = trainer.strategy._distributed_optimizers()
     if zero1:  # ZeRO-1 keeps them itself: this rank's fp32 slices
         return {n: m.to_local().detach().clone() for opt in zero1 for n, m in opt.master_state_dict().items()}
-    return {names[id(p)]: m.detach().clone() for key in plugin._master_order for p, m in plugin._masters[key]}
+    local = {names[id(p)]: m for key in plugin._master_order for p, m in plugin._masters[key]}
+    return {n: (m.to_local() if hasattr(m, "to_local") else m).detach().clone() for n, m in local.items()}
 
 
 class Recorder(L.Callback):

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning as L
-import torch
 
 import lightning_npu  # noqa: F401
 from lightning_npu import NPUHybridStrategy

@@ -17,7 +17,6 @@ import torch
 from lightning_npu.callbacks import (
     DynamicCheckpoint,
     GradientHealthGuard,
-    PreemptionCheckpoint,
     TrainingFailure,
     TrainingGuard,
 )

@@ -1,7 +1,6 @@
 """Sharded DCP checkpoints: resume under another layout, async save, atomicity, clear mismatch errors,
 consolidation with `lightning-npu convert-checkpoint`."""
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -221,7 +221,7 @@ def test_overflow_on_one_rank_skips_everywhere_under_zero1():
 def test_overflow_skip_and_resume_restore_the_loss_scale(tmp_path):
     """bf16-mixed, dp=2 (DDP): the same skips; a run resumed from the step-3 checkpoint restores the scaler
     (incl. its hysteresis state) exactly and repeats the uninterrupted run bit for bit. (ZeRO-1 + scheduler resume:
-    tests/test_foundation_parity.py; bf16-true under ZeRO 0/1: test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1.)"""
+    tests/test_foundation_parity.py; bf16-true under ZeRO 0/1: test_bf16_true_checkpoint_resume_dp2_zero0_1_3.)"""
     args = _overflow_args("bf16-mixed", 0)
     full = spawn(train, 2, 2, *args, str(tmp_path), 3, None, *_EPOCHS)
     _assert_skipped_everywhere(full)
@@ -248,7 +248,7 @@ def test_bf16_mixed_loss_curve_tracks_fp32():
     assert not torch.equal(bf16, fp32)  # and it really computed in bf16
 
 
-def test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1(tmp_path):
+def test_bf16_true_checkpoint_resume_dp2_zero0_1_3(tmp_path):
     """bf16-true keeps fp32 master weights outside the module (HybridPrecision's under ZeRO 0, the
     DistributedOptimizer's slices under ZeRO 1; the optimizer steps them): a sharded (DCP)
     checkpoint must still save (DCP keys optimizer state by parameter FQN), hold the fp32 masters exactly, and a
@@ -258,11 +258,12 @@ def test_bf16_true_checkpoint_resume_dp2_zero0_and_zero1(tmp_path):
                     model_kwargs={"warmup_steps": 4}, recorder_kwargs={"snapshot_masters": True},
                     limit_train_batches=3, **kw)
 
-    dirs = {z: tmp_path / f"zero{z}" for z in (0, 1)}
-    full = spawn(train_many, 2, [config(z, ckpt_dir=str(dirs[z])) for z in (0, 1)])
-    ckpts = {z: dirs[z] / "epoch=0-step=3.ckpt" for z in (0, 1)}
-    resumed = spawn(train_many, 2, [config(z, ckpt_in=str(ckpts[z])) for z in (0, 1)])
-    for i, z in enumerate((0, 1)):
+    stages = (0, 1, 3)
+    dirs = {z: tmp_path / f"zero{z}" for z in stages}
+    full = spawn(train_many, 2, [config(z, ckpt_dir=str(dirs[z])) for z in stages])
+    ckpts = {z: dirs[z] / "epoch=0-step=3.ckpt" for z in stages}
+    resumed = spawn(train_many, 2, [config(z, ckpt_in=str(ckpts[z])) for z in stages])
+    for i, z in enumerate(stages):
         meta = read_meta(ckpts[z])
         assert "master_weights" not in meta["HybridPrecision"]  # they are the DCP model tensors, fp32
         stored = checkpoint_tensor_metadata(ckpts[z])

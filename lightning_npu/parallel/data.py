@@ -88,7 +88,7 @@ def fully_shard_data_parallel(
         )
     from lightning_npu.parallel.tensor import tp_replicated_modules
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    mp = _mixed_precision(param_dtype)
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=zero_stage == 3, mp_policy=mp)
     if param_dtype not in (None, torch.float32):
         # sequence-parallel norms: their gradients are partial sums over tp, which FSDP2 all-reduces in the
@@ -114,6 +114,13 @@ def fully_shard_data_parallel(
 
 
 # ---- ZeRO 2/3 under pipeline parallelism (used by lightning_npu.parallel.pipeline) -------------------
+def _mixed_precision(param_dtype: Optional[torch.dtype]) -> Any:
+    """Gradients are reduce-scattered in fp32 whatever the parameters' dtype (bf16-true's 16-bit shards too)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
 def fsdp_param_dtype(precision_plugin: Any) -> Optional[torch.dtype]:
     """bf16-mixed compute all-gathers bf16 copies of the fp32 master shards; every other precision gathers as stored."""
     return torch.bfloat16 if str(getattr(precision_plugin, "precision", "")) == "bf16-mixed" else None
@@ -137,11 +144,11 @@ def fully_shard_pipeline_stage(
     for each micro-batch's backward (torchtitan's default under PP is the former, to save per-micro-batch
     all-gathers: pick zero_stage=2 for that); both reshard after the step's backward.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"fully_shard_pipeline_stage is for zero_stage 2 or 3, got {zero_stage}.")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    mp = _mixed_precision(param_dtype)
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp)
     units = _fsdp_units(stage)
     in_units = {id(p) for unit in units for p in unit.parameters()}
