@@ -31,6 +31,8 @@ class OptGPT(GPTModule):
     def __init__(self, optimizer: str = "adamw", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.optimizer_name = optimizer
+        if optimizer == "adamw_frozen":  # before DDP sees the model
+            self.model.transformer.wpe.weight.requires_grad_(False)
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":
@@ -39,6 +41,8 @@ class OptGPT(GPTModule):
             opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.optimizer_name == "adamw_frozen":  # a frozen parameter inside the optimizer: never updated
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-5, weight_decay=0.1)
         if self.optimizer_name == "adam_fused":
             return torch.optim.Adam(self.parameters(), lr=3e-3, eps=1e-5, fused=True)
         raise ValueError(self.optimizer_name)

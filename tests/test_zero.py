@@ -17,6 +17,8 @@ OPTIMIZERS = [
     dict(zero_stage=3, steps=5, optimizer="adam_fused"),
     dict(zero_stage=1, steps=5, optimizer="sgd"),
     dict(zero_stage=1, steps=5, optimizer="adam_fused"),
+    dict(zero_stage=0, steps=3, optimizer="adamw_frozen"),
+    dict(zero_stage=1, steps=3, optimizer="adamw_frozen"),
 ]
 # every dim 0 of this model is even: each rank's ZeRO slices are exactly half of every parameter
 MEMORY = [dict(zero_stage=z, steps=1, model_kwargs={"n_layer": 4}) for z in (0, 1, 2, 3)]
@@ -60,10 +62,13 @@ def test_no_gradient_communication_on_accumulating_micro_steps(runs, stage):
 
 
 @pytest.mark.parametrize(
-    "pair", [(0, 1), (2, 3), (0, 4), (2, 5)],
-    ids=["sgd_momentum_steplr_zero2", "adam_fused_zero3", "sgd_momentum_steplr_zero1", "adam_fused_zero1"],
+    "pair", [(0, 1), (2, 3), (0, 4), (2, 5), (6, 7)],
+    ids=["sgd_momentum_steplr_zero2", "adam_fused_zero3", "sgd_momentum_steplr_zero1", "adam_fused_zero1",
+         "adamw_frozen_param_zero1"],
 )
 def test_other_optimizers(runs, pair):
+    # adamw_frozen: wpe is frozen but in the optimizer (AdamW, weight decay 0.1); zero 0 never steps it (no
+    # gradient), so ZeRO-1 must not either (a zero gradient would still decay it by ~1e-3 relative in 3 steps)
     ref, got = (runs["optimizers"][1][i] for i in pair)
     torch.testing.assert_close(torch.tensor(got["logged"]), torch.tensor(ref["logged"]), rtol=RTOL, atol=0)
     assert got["lr"] == ref["lr"]
