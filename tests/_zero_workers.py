@@ -33,6 +33,23 @@ class OptGPT(GPTModule):
         self.optimizer_name = optimizer
         if optimizer == "adamw_frozen":  # before DDP sees the model
             self.model.transformer.wpe.weight.requires_grad_(False)
+        if optimizer == "manual_accumulate":
+            self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        # manual optimization, two backward passes per step: gradients must accumulate across both
+        opt = self.optimizers()
+        half = batch[0].shape[0] // 2
+        losses = []
+        for part in (slice(0, half), slice(half, None)):
+            loss = self.loss([t[part] for t in batch])
+            self.manual_backward(loss / 2)
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        self.log("train_loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":
@@ -41,6 +58,8 @@ class OptGPT(GPTModule):
             opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.optimizer_name == "manual_accumulate":
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-5)
         if self.optimizer_name == "adamw_frozen":  # a frozen parameter inside the optimizer: never updated
             return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-5, weight_decay=0.1)
         if self.optimizer_name == "adam_fused":

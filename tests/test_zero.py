@@ -19,6 +19,8 @@ OPTIMIZERS = [
     dict(zero_stage=1, steps=5, optimizer="adam_fused"),
     dict(zero_stage=0, steps=3, optimizer="adamw_frozen"),
     dict(zero_stage=1, steps=3, optimizer="adamw_frozen"),
+    dict(zero_stage=0, steps=3, optimizer="manual_accumulate"),
+    dict(zero_stage=1, steps=3, optimizer="manual_accumulate"),
 ]
 # every dim 0 of this model is even: each rank's ZeRO slices are exactly half of every parameter
 MEMORY = [dict(zero_stage=z, steps=1, model_kwargs={"n_layer": 4}) for z in (0, 1, 2, 3)]
@@ -62,9 +64,9 @@ def test_no_gradient_communication_on_accumulating_micro_steps(runs, stage):
 
 
 @pytest.mark.parametrize(
-    "pair", [(0, 1), (2, 3), (0, 4), (2, 5), (6, 7)],
+    "pair", [(0, 1), (2, 3), (0, 4), (2, 5), (6, 7), (8, 9)],
     ids=["sgd_momentum_steplr_zero2", "adam_fused_zero3", "sgd_momentum_steplr_zero1", "adam_fused_zero1",
-         "adamw_frozen_param_zero1"],
+         "adamw_frozen_param_zero1", "manual_two_backwards_per_step_zero1"],
 )
 def test_other_optimizers(runs, pair):
     # adamw_frozen: wpe is frozen but in the optimizer (AdamW, weight decay 0.1); zero 0 never steps it (no

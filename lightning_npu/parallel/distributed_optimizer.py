@@ -98,6 +98,7 @@ class _Bucket:
         self.grad = torch.zeros(offset, dtype=torch.float32, device=device)  # its reduced gradient
         self.ready = 0
         self.launched = False
+        self.pending = False  # holds reduced gradients zero_grad has not cleared
         self.work: Any = None
 
     def local_view(self, flat: torch.Tensor, s: _Slice) -> torch.Tensor:
@@ -257,7 +258,9 @@ class DistributedOptimizer(Optimizer):
         torch._chunk_cat(grads, dim=0, num_chunks=self.dp, out=send)
         for p in bucket.params:
             p.grad = None  # the reduced slice replaces the full local gradient (no stale full copy to misread)
-        bucket.work = _reduce_scatter(bucket.grad, send.view(-1), group=self.dp_group, async_op=True)
+        # a second backward before zero_grad (manual optimization) adds to the reduced slice, as `.grad` would
+        bucket.out = torch.empty_like(bucket.grad) if bucket.pending else bucket.grad
+        bucket.work = _reduce_scatter(bucket.out, send.view(-1), group=self.dp_group, async_op=True)
         bucket.send = send
         bucket.launched = True
 
@@ -276,9 +279,11 @@ class DistributedOptimizer(Optimizer):
         self._launch_ready()
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.work, bucket.send = None, None
-            bucket.grad.div_(self.dp)
-            bucket.ready, bucket.launched = 0, False
+            bucket.out.div_(self.dp)
+            if bucket.out is not bucket.grad:
+                bucket.grad.add_(bucket.out)
+            bucket.work, bucket.send, bucket.out = None, None, None
+            bucket.ready, bucket.launched, bucket.pending = 0, False, True
         self._attach_gradients()
 
     def _attach_gradients(self) -> None:
@@ -325,7 +330,10 @@ class DistributedOptimizer(Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # the masters' gradients are views of the reduce-scatter output, rewritten by every sync
+        # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them
+        # (state lives on the buckets: Lightning's LightningOptimizer calls this on a copy of our __dict__)
+        for bucket in self.buckets:
+            bucket.pending = False
         for p in self.model_params:
             if p.grad is not None:
                 if set_to_none:
