@@ -10,7 +10,7 @@ import torch
 
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.checkpoint import consolidate_model_state
-from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfig
+from lightning_npu.parallel.config import ParallelConfig
 from tests._pp_zero_workers import run_many
 
 RTOL, ATOL = 1e-5, 1e-6  # a wrong or missing gradient reduction moves parameters by ~lr = 3e-3
@@ -190,9 +190,8 @@ def test_pp2_dp2_zero_checkpoint_resumes_under_pp1(single, pp2_dp2, pp1_from_pp2
 
 
 # ---- configuration ----------------------------------------------------------------------------------------
-def test_zero23_with_pp_accepted_with_pp_and_tp_refused():
+def test_zero23_with_pp_accepted_also_with_tp():
     for stage in (2, 3):
         assert ParallelConfig(zero_stage=stage, pipeline_parallel_size=2).zero_stage == stage
-        with pytest.raises(NotImplementedYetError, match=rf"`zero_stage={stage}` with `pipeline_parallel_size=2` and "
-                                                         r"`tensor_parallel_size=2`.*use zero_stage=1 for pp x tp"):
-            ParallelConfig(zero_stage=stage, pipeline_parallel_size=2, tensor_parallel_size=2)
+        # pp x tp x zero 2/3: tests/test_pipeline_tp_checkpoint.py
+        assert ParallelConfig(zero_stage=stage, pipeline_parallel_size=2, tensor_parallel_size=2).zero_stage == stage

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfig
+from lightning_npu.parallel.config import ParallelConfig
 from tests._tp_workers import train_tp
 from tests._zero_tp_workers import run_many
 
@@ -167,11 +167,10 @@ def test_tp1_zero3_checkpoint_loads_at_dp2_tp2(runs):
         assert_same_state(got["state"], full["state"])
 
 
-def test_zero23_with_tp_accepted_pipeline_refused():
+def test_zero23_with_tp_accepted_also_with_pipeline():
     for stage in (2, 3):
         assert ParallelConfig(zero_stage=stage, tensor_parallel_size=2).tensor_parallel_size == 2
-        with pytest.raises(NotImplementedYetError, match=rf"`zero_stage={stage}` with `pipeline_parallel_size=2` and "
-                                                         r"`tensor_parallel_size=2`"):
-            ParallelConfig(zero_stage=stage, tensor_parallel_size=2, pipeline_parallel_size=2)
+        # pp x tp x zero 2/3: tests/test_pipeline_tp_checkpoint.py
+        assert ParallelConfig(zero_stage=stage, tensor_parallel_size=2, pipeline_parallel_size=2).zero_stage == stage
         # sequence parallelism composes too (tests/test_zero_sp.py)
         assert ParallelConfig(zero_stage=stage, tensor_parallel_size=2, sequence_parallel=True).sequence_parallel

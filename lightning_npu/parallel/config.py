@@ -140,15 +140,6 @@ class ParallelConfig:
                     f"`{name}={getattr(self, name)!r}`: {feature} is not implemented yet in lightning-npu; "
                     f"leave `{name}` at its default for now."
                 )
-        # ZeRO 2/3 composes with tensor (and sequence) parallelism (FSDP2 over mesh["dp"] on top of DTensor TP, the
-        # 2-D (dp, tp) layout) and with pipeline parallelism (FSDP2 on each stage module); not yet with both at once
-        if self.zero_stage in (2, 3) and self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise NotImplementedYetError(
-                f"`zero_stage={self.zero_stage}` with `pipeline_parallel_size={self.pipeline_parallel_size}` and "
-                f"`tensor_parallel_size={self.tensor_parallel_size}`: FSDP2 on pipeline stages that are also "
-                "tensor-parallel is not implemented yet in lightning-npu; use zero_stage=1 for pp x tp, or "
-                "tensor_parallel_size=1 (zero 2/3 with pp) or pipeline_parallel_size=1 (zero 2/3 with tp)."
-            )
 
     # ---- checks that need the world size --------------------------------------------------
     def resolve(self, world_size: int) -> "ParallelConfig":

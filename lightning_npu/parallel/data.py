@@ -144,7 +144,7 @@ def fully_shard_pipeline_stage(
     for each micro-batch's backward (torchtitan's default under PP is the former, to save per-micro-batch
     all-gathers: pick zero_stage=2 for that); both reshard after the step's backward.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"fully_shard_pipeline_stage is for zero_stage 2 or 3, got {zero_stage}.")
@@ -159,7 +159,8 @@ def fully_shard_pipeline_stage(
             f"zero_stage={zero_stage} every stage parameter must live in a block, embedding or head module."
         )
     for unit in units:
-        fully_shard(unit, **kwargs)
+        if not isinstance(unit, FSDPModule):  # a sequence-parallel norm already made its own fp32 unit (pipeline.py)
+            fully_shard(unit, **kwargs)
     fully_shard(stage, **kwargs)
     return stage
 

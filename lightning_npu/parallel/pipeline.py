@@ -38,14 +38,18 @@ norm is the per-stage sum of squares all-reduced over the ``pp`` group.
 
 ZeRO 2/3 (``zero_stage`` 2 or 3) compose as in torchtitan: stage modules, then FSDP2 over ``dp`` on each
 stage module (`PipelineRunner.fully_shard`, which calls `lightning_npu.parallel.data.fully_shard_pipeline_stage`),
-then the `PipelineStage`s, so that torch's stage finds FSDP roots. (Tensor parallelism, per module, is applied
-before the split; zero 2/3 x pp x tp is refused for now.) Parameters, their
+then the `PipelineStage`s, so that torch's stage finds FSDP roots. Tensor parallelism, per module, is applied to
+the whole model before the split and its parameters stay DTensors on ``mesh["tp"]``; FSDP2 over ``mesh["dp"]`` (a
+sibling dimension of the same mesh) then makes them 2-D ``(dp, tp)`` DTensors, as without a pipeline (torchtitan's
+order: tp, pp split, FSDP, PipelineStage). Under 16-bit gathering, sequence-parallel norms become their own fp32
+FSDP units first, as without a pipeline, so that their tp gradient reduction stays fp32. Parameters, their
 gradients and the optimizer state are dp-sharded DTensors of this rank's stages; torch's pipelining
 stage drives FSDP so that a schedule step reduce-scatters once, after its last micro-batch's backward
 (replacing the dp all-reduce of ZeRO 0/1). On Lightning's accumulating micro-steps
 (``accumulate_grad_batches``) that reduce-scatter is skipped too (`_Stage.perform_reduce_grad`): the
 unsharded gradients stay with FSDP until the stepping micro-step. Checkpoint keys are unchanged (the
-original FQNs, DTensor values), so DCP reshards across pp, dp and zero stages.
+original FQNs, DTensor values), so DCP reshards across pp, dp, tp and zero stages (each stage reads only its own
+keys; fused q|k|v projections saved under another tp size go through `checkpoint.load_sharded_relayout`).
 """
 
 from __future__ import annotations
@@ -399,6 +403,32 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], group: Any, bucket_byte
                 bucket, size = [], 0
 
 
+def _fp32_sequence_parallel_norms(stage: nn.Module, dp_mesh: Any) -> None:
+    """Sequence-parallel norms of a stage become their own FSDP2 units gathered in fp32 (before the stage's units).
+
+    As `lightning_npu.parallel.data.fully_shard_data_parallel` does without a pipeline: their weight gradients are
+    partial sums over tp, which FSDP2 all-reduces in the dtype it gathered the parameters in; under 16-bit
+    gathering that reduction would be 16-bit. Kept gathered until backward (a few KiB). They return views of
+    their input's DTensor (``SequenceParallel``), which FSDP2 warns about; that warning is silenced for them only.
+    """
+    import re
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from lightning_npu.parallel.tensor import tp_replicated_modules
+
+    norms = [m for m in tp_replicated_modules(stage) if not isinstance(m, FSDPModule)]
+    for norm in norms:
+        fully_shard(norm, mesh=dp_mesh, reshard_after_forward=False,
+                    mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    if norms:
+        names = "|".join(sorted({re.escape(type(n).__name__) for n in norms}))
+        warnings.filterwarnings(
+            "ignore", message=rf"FSDP2-wrapped module \((?:{names})\) returned a view tensor", category=UserWarning
+        )
+
+
 @functools.cache
 def _stage_class() -> type:
     """`PipelineStage` that skips FSDP2's gradient reduce-scatter while Lightning accumulates gradients.
@@ -487,6 +517,8 @@ class PipelineRunner:
         from lightning_npu.parallel.data import fully_shard_pipeline_stage
 
         for stage in self.stage_modules:
+            if param_dtype not in (None, torch.float32):
+                _fp32_sequence_parallel_norms(stage, dp_mesh)
             fully_shard_pipeline_stage(stage, dp_mesh, zero_stage, param_dtype)
         self.fully_sharded = True
         # the sharded parameters (what the optimizer holds): between a forward that keeps them gathered
