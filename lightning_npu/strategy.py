@@ -242,8 +242,8 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         return self.tp_report is not None and self.tp_report.applied
 
     def _tp_localized(self) -> bool:
-        """TP with plain local shards (zero 0/1): consolidated single-file checkpoints. Under ZeRO 2/3 the
-        parameters are 2-D DTensors and checkpoints are DCP directories (ShardedStrategyMixin)."""
+        """TP with plain local shards (zero 0/1; DDP or the ZeRO-1 optimizer reduce them over dp). A single-file
+        checkpoint's full tensors are sliced for them on load; under ZeRO 2/3 the parameters are 2-D DTensors."""
         return self._tp_active() and not self._is_fully_sharded()
 
     def _loss_context(self) -> Any:

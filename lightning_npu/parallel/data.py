@@ -76,7 +76,7 @@ def fully_shard_data_parallel(
     `param_dtype` (bf16-mixed compute) parameters are all-gathered in that dtype while the stored
     shards, the optimizer's master copy, stay fp32, and gradients are reduced in fp32.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"fully_shard_data_parallel is for zero_stage 2 or 3, got {zero_stage}.")
@@ -86,24 +86,10 @@ def fully_shard_data_parallel(
             f"zero_stage={zero_stage} shards submodules, but {type(module).__name__} holds parameters directly "
             f"({', '.join(direct)}); move them into a submodule (e.g. `self.head = nn.Linear(...)`) or use zero_stage=1."
         )
-    from lightning_npu.parallel.tensor import tp_replicated_modules
-
     mp = _mixed_precision(param_dtype)
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=zero_stage == 3, mp_policy=mp)
     if param_dtype not in (None, torch.float32):
-        # sequence-parallel norms: their gradients are partial sums over tp, which FSDP2 all-reduces in the
-        # gathered dtype; their own fp32 units keep that reduction fp32 (they compute in fp32 anyway). Kept
-        # gathered until backward (a few KiB): no second all-gather, and nothing to re-gather if the model
-        # modifies a norm output in place (SequenceParallel returns a view, which FSDP2 warns about)
-        norms = tp_replicated_modules(module)
-        for norm in norms:
-            fully_shard(norm, mesh=mesh["dp"], reshard_after_forward=False,
-                        mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-        if norms:
-            names = "|".join(sorted({re.escape(type(n).__name__) for n in norms}))
-            warnings.filterwarnings(
-                "ignore", message=rf"FSDP2-wrapped module \((?:{names})\) returned a view tensor", category=UserWarning
-            )
+        fully_shard_sequence_parallel_norms(module, mesh["dp"])
     for unit in _fsdp_units(module):
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, **kwargs)
@@ -114,6 +100,29 @@ def fully_shard_data_parallel(
 
 
 # ---- ZeRO 2/3 under pipeline parallelism (used by lightning_npu.parallel.pipeline) -------------------
+def fully_shard_sequence_parallel_norms(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Under 16-bit gathering, sequence-parallel norms become their own FSDP2 units gathered in fp32.
+
+    Their weight gradients are partial sums over tp, which FSDP2 all-reduces in the gathered dtype; their own
+    fp32 units keep that reduction fp32 (they compute in fp32 anyway). Kept gathered until backward (a few KiB):
+    no second all-gather, and nothing to re-gather if the model modifies a norm output in place
+    (``SequenceParallel`` returns a view, which FSDP2 warns about; silenced for these modules only).
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from lightning_npu.parallel.tensor import tp_replicated_modules
+
+    norms = [m for m in tp_replicated_modules(module) if not isinstance(m, FSDPModule)]
+    for norm in norms:
+        fully_shard(norm, mesh=dp_mesh, reshard_after_forward=False,
+                    mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    if norms:
+        names = "|".join(sorted({re.escape(type(n).__name__) for n in norms}))
+        warnings.filterwarnings(
+            "ignore", message=rf"FSDP2-wrapped module \((?:{names})\) returned a view tensor", category=UserWarning
+        )
+
+
 def _mixed_precision(param_dtype: Optional[torch.dtype]) -> Any:
     """Gradients are reduce-scattered in fp32 whatever the parameters' dtype (bf16-true's 16-bit shards too)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -403,32 +403,6 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], group: Any, bucket_byte
                 bucket, size = [], 0
 
 
-def _fp32_sequence_parallel_norms(stage: nn.Module, dp_mesh: Any) -> None:
-    """Sequence-parallel norms of a stage become their own FSDP2 units gathered in fp32 (before the stage's units).
-
-    As `lightning_npu.parallel.data.fully_shard_data_parallel` does without a pipeline: their weight gradients are
-    partial sums over tp, which FSDP2 all-reduces in the dtype it gathered the parameters in; under 16-bit
-    gathering that reduction would be 16-bit. Kept gathered until backward (a few KiB). They return views of
-    their input's DTensor (``SequenceParallel``), which FSDP2 warns about; that warning is silenced for them only.
-    """
-    import re
-    import warnings
-
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    from lightning_npu.parallel.tensor import tp_replicated_modules
-
-    norms = [m for m in tp_replicated_modules(stage) if not isinstance(m, FSDPModule)]
-    for norm in norms:
-        fully_shard(norm, mesh=dp_mesh, reshard_after_forward=False,
-                    mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-    if norms:
-        names = "|".join(sorted({re.escape(type(n).__name__) for n in norms}))
-        warnings.filterwarnings(
-            "ignore", message=rf"FSDP2-wrapped module \((?:{names})\) returned a view tensor", category=UserWarning
-        )
-
-
 @functools.cache
 def _stage_class() -> type:
     """`PipelineStage` that skips FSDP2's gradient reduce-scatter while Lightning accumulates gradients.
@@ -514,11 +488,11 @@ class PipelineRunner:
             return
         if self._schedules:
             raise RuntimeError("PipelineRunner.fully_shard must run before the first pipeline step.")
-        from lightning_npu.parallel.data import fully_shard_pipeline_stage
+        from lightning_npu.parallel.data import fully_shard_pipeline_stage, fully_shard_sequence_parallel_norms
 
         for stage in self.stage_modules:
             if param_dtype not in (None, torch.float32):
-                _fp32_sequence_parallel_norms(stage, dp_mesh)
+                fully_shard_sequence_parallel_norms(stage, dp_mesh)  # before the stage's own units
             fully_shard_pipeline_stage(stage, dp_mesh, zero_stage, param_dtype)
         self.fully_sharded = True
         # the sharded parameters (what the optimizer holds): between a forward that keeps them gathered
