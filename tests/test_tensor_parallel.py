@@ -99,7 +99,7 @@ def test_transformers_auto_plan_tp2(arch):
 def test_resume_under_tp(tmp_path):
     """tp=2 checkpoints are DCP directories of the global tensors (each tp rank wrote its shard): resuming at tp=2
     and at tp=1 both repeat steps 4-6 exactly."""
-    from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata
+    from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, consolidate_model_state
 
     tp2 = {"zero_stage": 0, "tensor_parallel_size": 2}
     full = spawn(train_tp, 2, 2, 8, 6, tp2, "gpt", None, str(tmp_path), None, 3)
@@ -109,6 +109,14 @@ def test_resume_under_tp(tmp_path):
     assert tuple(stored.size) == (96, 32) and len(stored.chunks) == 2  # the full tensor, written as 2 tp shards
     resumed = spawn(train_tp, 2, 2, 8, 6, tp2, "gpt", None, None, str(ckpt), 3)
     relaid = spawn(train_tp, 1, 1, 8, 6, {"zero_stage": 0}, "gpt", None, None, str(ckpt), 3)
+    # consolidation (`lightning-npu convert-checkpoint`) restores the original q|k|v layout: the tp=2 step-3
+    # checkpoint consolidates to the one a single process writes at step 3
+    spawn(train_tp, 1, 1, 8, 3, {"zero_stage": 0}, "gpt", None, str(tmp_path / "tp1"), None, 3)
+    tp2_full, _ = consolidate_model_state(ckpt)
+    tp1_full, _ = consolidate_model_state(tmp_path / "tp1" / "epoch=0-step=3.ckpt")
+    assert tp2_full.keys() == tp1_full.keys()
+    for k, v in tp1_full.items():
+        torch.testing.assert_close(tp2_full[k], v, rtol=RTOL, atol=1e-6, msg=lambda m: f"{k}: {m}")
     for run in (resumed[0], resumed[1], relaid[0]):
         assert run["global_step"] == 6
         torch.testing.assert_close(torch.tensor(run["logged"]), torch.tensor(full[0]["logged"][3:]), rtol=RTOL, atol=0)

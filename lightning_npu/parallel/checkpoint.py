@@ -395,13 +395,17 @@ def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[di
     if not template:
         raise CheckpointMismatchError(f"{str(path)!r} holds no model tensors (no '{MODEL_KEY}.*' entries).")
     dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
+    # fused projections (q|k|v, gate|up) saved under tp > 1 are stored rank-major: back to the model's layout
+    from lightning_npu.parallel.tensor import unfuse_full_tensors
+
+    full = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()},
+                               (meta.get("lightning_npu") or {}).get("fused") or {})
     out = {}
-    for k, v in template.items():
-        name = k[len(prefix):]
+    for name, v in full.items():
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix):]
         out[name] = v
-    meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
     return out, meta
 
 
