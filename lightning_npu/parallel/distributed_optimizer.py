@@ -329,6 +329,10 @@ class DistributedOptimizer(Optimizer):
         self.gather_parameters()
         return loss
 
+    # LR schedulers built on the user's optimizer are re-pointed here; torch checks that they wrap `step` to warn
+    # about a scheduler stepping first, an order Lightning's loop already guarantees
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them
         # (state lives on the buckets: Lightning's LightningOptimizer calls this on a copy of our __dict__)
