@@ -57,3 +57,34 @@ def test_callbacks_under_two_processes(tmp_path, strategy):
     assert sorted(state) == sorted(r0["state"])
     for k, v in r0["state"].items():
         torch.testing.assert_close(state[k], v, rtol=0, atol=0)
+
+
+def _rollback_run(root: str) -> dict:
+    model = StepSeeded(nan_at=(5,), nan_ranks=(1,))
+    dyn = DynamicCheckpoint(dirpath=str(Path(root) / "ck"), phase_fractions=(), intervals=(3,), keep_last_k=None)
+    guard = GradientHealthGuard(nonfinite_action="rollback", rollback_lr_factor=0.5)
+    trainer = L.Trainer(callbacks=[dyn, guard], **trainer_kwargs(root, 8, devices=2, strategy="npu_hybrid"))
+    trainer.fit(model)
+    return {
+        "log": {k: v.clone() for k, v in model.param_log.items()},
+        "final": flat_params(model),
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "optimizer": type(trainer.strategy.optimizers[0]).__name__,
+        "actions": [e["action"] for e in guard.events if e["action"] != "warn"],
+    }
+
+
+def test_rollback_under_zero1_restores_the_sharded_checkpoint(tmp_path):
+    """npu_hybrid's default ZeRO-1 (dp=2): a NaN on rank 1 at step 5 rolls every rank back to the step-3 DCP
+    checkpoint (the fp32 master slices are reloaded and all-gathered into the parameters), with half the lr."""
+    from lightning_npu.parallel.checkpoint import consolidate_model_state
+
+    r0, r1 = spawn(_rollback_run, 2, str(tmp_path))
+    at3 = consolidate_model_state(tmp_path / "ck" / "step=00000003.ckpt")[0]
+    at3 = torch.cat([v.flatten() for v in at3.values()])
+    for r in (r0, r1):
+        assert r["optimizer"] == "DistributedOptimizer" and r["actions"] == ["rollback"]
+        assert not torch.equal(r["log"][5], at3)  # steps 3 and 4 had moved the weights
+        torch.testing.assert_close(r["log"][6], at3, rtol=0, atol=0)
+        assert r["lr"] == pytest.approx(0.025) and torch.isfinite(r["final"]).all()
+    torch.testing.assert_close(r0["final"], r1["final"], rtol=0, atol=0)

@@ -15,7 +15,7 @@ STEP3 = "epoch=0-step=3.ckpt"  # ModelCheckpoint's name; with 3 batches per epoc
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    a, c = root / "zero1", root / "zero3_async"
+    a, c, e = root / "zero1", root / "zero3_async", root / "zero1_async"
     configs = [
         dict(zero_stage=1, steps=3, ckpt_dir=str(a), limit_train_batches=3, with_optimizer_state=True),
         dict(zero_stage=1, steps=6, limit_train_batches=3),
@@ -24,9 +24,12 @@ def dp2(tmp_path_factory):
         # async save under zero 3 (the step-3 shards are written while steps 4-6 run), resumed under zero 0
         dict(zero_stage=3, steps=6, ckpt_dir=str(c), limit_train_batches=3, async_save=True),
         dict(zero_stage=0, steps=6, ckpt_in=str(c / STEP3), limit_train_batches=3),
+        # ZeRO-1 (DistributedOptimizer) async: its fp32 master slices and DTensor state staged, resumed under zero 2
+        dict(zero_stage=1, steps=6, ckpt_dir=str(e), limit_train_batches=3, async_save=True),
+        dict(zero_stage=2, steps=6, ckpt_in=str(e / STEP3), limit_train_batches=3),
     ]
     ranks = spawn(run_many, 2, configs)
-    return {"root": root, "zero1_dir": a, "zero3_dir": c, "ranks": ranks}
+    return {"root": root, "zero1_dir": a, "zero3_dir": c, "zero1_async_dir": e, "ranks": ranks}
 
 
 def assert_close_dicts(a: dict, b: dict) -> None:
@@ -61,16 +64,25 @@ def test_checkpoint_is_a_dcp_directory_with_metadata(dp2):
 
 def test_resume_zero1_under_zero3(dp2):
     for rank in range(2):
-        saved3, full6, _, _, _ = dp2["ranks"][rank]
+        saved3, full6 = dp2["ranks"][rank][:2]
         check_resumed(saved3, full6, dp2["ranks"][rank][2])
 
 
 def test_async_save_zero3_resumed_under_zero0(dp2):
     for rank in range(2):
-        saved3, full6, _, async_run, resumed = dp2["ranks"][rank]
+        saved3, full6, _, async_run, resumed = dp2["ranks"][rank][:5]
         # zero 3 trained exactly like zero 1; its step-3 checkpoint holds step 3, not a later step
         assert_close_dicts(async_run["params"], full6["params"])
         assert (dp2["zero3_dir"] / "epoch=1-step=6.ckpt" / "meta.pt").is_file()  # committed at teardown
+        check_resumed(saved3, full6, resumed)
+
+
+def test_async_save_zero1_resumed_under_zero2(dp2):
+    for rank in range(2):
+        saved3, full6 = dp2["ranks"][rank][:2]
+        async_run, resumed = dp2["ranks"][rank][5:7]
+        assert_close_dicts(async_run["params"], full6["params"])
+        assert (dp2["zero1_async_dir"] / "epoch=1-step=6.ckpt" / "meta.pt").is_file()  # committed at teardown
         check_resumed(saved3, full6, resumed)
 
 
@@ -89,6 +101,9 @@ def test_convert_checkpoint_to_single_file(dp2, tmp_path):
 
     src = dp2["zero3_dir"] / "epoch=1-step=6.ckpt"
     expected = dp2["ranks"][0][3]["params"]
+    # a ZeRO-1 checkpoint (fp32 master slices as the model tensors) consolidates to the same weights
+    main(["convert-checkpoint", str(dp2["zero1_async_dir"] / "epoch=1-step=6.ckpt"), str(tmp_path / "z1.pt")])
+    assert_close_dicts(torch.load(tmp_path / "z1.pt", weights_only=True), expected)
     # torch file, LightningModule keys, loadable with weights_only=True
     main(["convert-checkpoint", str(src), str(tmp_path / "full.pt")])
     full = torch.load(tmp_path / "full.pt", weights_only=True)

@@ -257,7 +257,7 @@ class ShardedCheckpointWriter:
         barrier()
         writer = FileSystemWriter(tmp)
         if self.async_save:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group())
+            future = dcp.async_save(_owning_storage(tensors), storage_writer=writer, process_group=self._group())
             self._pending = (future, tmp, final, token, is_rank0)
             return
         try:
@@ -289,6 +289,19 @@ class ShardedCheckpointWriter:
             commit(tmp, final, token)
         if barrier is not None:
             barrier()
+
+
+def _owning_storage(tree: Any) -> Any:
+    """DTensors over a view (ZeRO-1 slices of a bucket) get a copy of their local tensor: DCP's async staging
+    deep-copies CPU DTensors, which fails on views in torch 2.13 ("invalid python storage")."""
+    if isinstance(tree, dict):
+        return {k: _owning_storage(v) for k, v in tree.items()}
+    if isinstance(tree, DTensor):
+        local = tree.to_local()
+        if local._base is not None or local.untyped_storage().nbytes() != local.numel() * local.element_size():
+            return DTensor.from_local(local.detach().clone(), tree.device_mesh, tree.placements, run_check=False,
+                                      shape=tree.shape, stride=tree.stride())
+    return tree
 
 
 # ---- reader -----------------------------------------------------------------------------------
