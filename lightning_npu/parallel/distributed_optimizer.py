@@ -108,9 +108,10 @@ class _Bucket:
 class DistributedOptimizer(Optimizer):
     """Wraps the user's optimizer for ZeRO stage 1 (see the module docstring).
 
-    `param_groups` and `state` are the inner optimizer's, over the DTensor slices: LR schedulers,
-    clipping and checkpoints act on what is actually stepped. The strategy calls
-    :meth:`start_gradient_sync`/:meth:`finish_gradient_sync` around the stepping backward.
+    `param_groups` hold the DTensor slices with the user's hyper-parameters: LR schedulers, clipping and
+    checkpoints act on what is actually stepped. `state` is the inner optimizer's (plain tensors of this
+    rank's slices). The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
+    (or :meth:`reduce_gradients` after a pipeline schedule) and clears `sync_enabled` while accumulating.
     """
 
     def __init__(
