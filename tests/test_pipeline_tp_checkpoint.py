@@ -33,11 +33,24 @@ def ckpt(root, name: str):
 
 
 def saved_state(path) -> tuple[dict, dict]:
-    """The checkpoint's full model tensors in the unsharded model's layout (fused projections as saved: rank-major
-    for the saving tp size, per the meta's ``fused`` map), and its layout entry."""
+    """The checkpoint's full model tensors in the unsharded model's layout (consolidation un-fuses the projections
+    stored rank-major for the saving tp size, per the meta's ``fused`` map), and its layout entry."""
     tensors, meta = consolidate_model_state(path)
-    layout = meta["lightning_npu"]
-    return unfuse_full_tensors(tensors, layout["fused"]), layout
+    return tensors, meta["lightning_npu"]
+
+
+def raw_tensor(path, name: str) -> torch.Tensor:
+    """One model tensor exactly as DCP stored it (no un-fusing)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_npu.parallel.checkpoint import MODEL_KEY, checkpoint_tensor_metadata
+
+    key = f"{MODEL_KEY}.{name}"
+    md = checkpoint_tensor_metadata(path)[key]
+    out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+    dcp.load(out, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return out[key]
 
 
 def check_resume(resumed: list, uninterrupted: list, saved: dict) -> None:
@@ -119,8 +132,9 @@ def test_pp2_tp2_trains_as_one_process_and_saves_rank_major_qkv(root, single, fo
     # every stage's fused projections are recorded (tp is applied to the whole model before the split)
     assert layout["fused"] == saver[0]["fused"]
     assert sorted(layout["fused"]) == [f"model.transformer.h.{i}.attn.c_attn.weight" for i in range(4)]
-    raw, _ = consolidate_model_state(ckpt(root, "pp2tp2_zero1"))
-    assert not torch.equal(raw[C_ATTN], saved[C_ATTN])  # stored rank-major: q|k|v of tp rank 0, then of rank 1
+    raw = raw_tensor(ckpt(root, "pp2tp2_zero1"), C_ATTN)
+    assert not torch.equal(raw, saved[C_ATTN])  # stored rank-major: q|k|v of tp rank 0, then of rank 1
+    torch.testing.assert_close(unfuse_full_tensors({C_ATTN: raw}, layout["fused"])[C_ATTN], saved[C_ATTN], rtol=0, atol=0)
 
 
 @pytest.mark.slow
