@@ -34,8 +34,19 @@ class LossRecorder(L.Callback):
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
 
-def full_state(pl_module: GPTModule) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone().cpu() for k, v in pl_module.state_dict().items()}
+def full_state(pl_module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full, original-layout tensors on every rank: FSDP2 (x TP) DTensors and plain tp shards are gathered (a
+    collective when the model is sharded: call it on every rank)."""
+    from lightning_npu.parallel.data import is_fully_sharded
+    from lightning_npu.parallel.tensor import full_state_dict, gathered_state_dict, is_tensor_parallel
+
+    if is_fully_sharded(pl_module):
+        state = gathered_state_dict(pl_module)
+    elif is_tensor_parallel(pl_module):
+        state = full_state_dict(pl_module)
+    else:
+        state = pl_module.state_dict()
+    return {k: v.detach().clone().cpu() for k, v in state.items()}
 
 
 def parity_trainer(

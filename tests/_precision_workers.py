@@ -22,18 +22,9 @@ TINY_GPT = dict(
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """fp32 copies of the full tensors (DTensor and tensor-parallel shards gathered: a collective, call on every
     rank)."""
-    from lightning_npu.parallel.data import is_fully_sharded
-    from lightning_npu.parallel.tensor import full_state_dict, gathered_state_dict, is_tensor_parallel
+    from tests._gpt_workers import full_state as gathered
 
-    out = {}
-    if is_fully_sharded(module):  # FSDP2 (x TP): fused projections back in their original layout
-        state = gathered_state_dict(module)
-    else:
-        state = full_state_dict(module) if is_tensor_parallel(module) else module.state_dict()
-    for k, v in state.items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        out[k] = v.detach().float().clone()
-    return out
+    return {k: v.float() for k, v in gathered(module).items()}
 
 
 def master_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:

@@ -16,8 +16,7 @@ import torch
 import lightning_npu  # noqa: F401
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel import data as data_parallel
-from lightning_npu.parallel.tensor import full_state_dict, gathered_state_dict, is_tensor_parallel
-from tests._gpt_workers import LossRecorder, parity_trainer
+from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._tp_workers import _make_model
 from tests._zero_workers import _world
 
@@ -55,15 +54,9 @@ def train_zero_sp(
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
     sharded = data_parallel.is_fully_sharded(model)
-    if sharded:
-        state = gathered_state_dict(model)  # FSDP2 (+ TP) DTensors -> full tensors in the original layout
-    elif is_tensor_parallel(model):
-        state = full_state_dict(model)  # localized tp shards (zero 0/1)
-    else:
-        state = model.state_dict()
     return {
         "logged": recorder.logged,
-        "state": {k: v.detach().clone().cpu() for k, v in state.items()},
+        "state": full_state(model),
         "val_loss": float(val),
         "global_step": trainer.global_step,
         "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),

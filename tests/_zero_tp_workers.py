@@ -13,8 +13,7 @@ import lightning as L
 import lightning_npu  # noqa: F401
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel import data as data_parallel
-from lightning_npu.parallel.tensor import full_state_dict, gathered_state_dict
-from tests._gpt_workers import LossRecorder, parity_trainer
+from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._tp_workers import _make_model
 from tests._zero_workers import _world
 
@@ -51,11 +50,9 @@ def train_zero_tp(
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
-    # FSDP2 (2-D DTensors) or ZeRO 0/1 (plain tp shards): both gathered to full, original-layout tensors
-    state = gathered_state_dict(model) if data_parallel.is_fully_sharded(model) else full_state_dict(model)
     return {
         "logged": recorder.logged,
-        "state": {k: v.detach().clone().cpu() for k, v in state.items()},
+        "state": full_state(model),
         "val_loss": float(val),
         "global_step": trainer.global_step,
         "optimizer": type(trainer.strategy.optimizers[0]).__name__,
