@@ -290,26 +290,22 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 zero1 = self._distributed_optimizers()
                 if zero1:
                     for opt in zero1:
-                        opt.reduce_gradients()
+                        opt.finish_gradient_sync()
                 else:
                     from lightning_npu.parallel.pipeline import all_reduce_gradients
 
                     all_reduce_gradients(self._pipeline.stage_parameters(), self.device_mesh["dp"].get_group(),
                                          int(self.parallel_config.bucket_size_mb * 2**20))
             return Precision.post_backward(self.precision_plugin, closure_loss, module)
-        zero1 = self._distributed_optimizers()
-        if not zero1:
-            # the vocab-parallel cross-entropy's backward must run under loss_parallel too
-            with self._loss_context():
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # Lightning's Strategy.backward, plus ZeRO-1's wait for the reduce-scatters backward launched, before
-        # `on_after_backward` (which then sees the reduced gradient slices on the optimizer's parameters)
+        # Lightning's Strategy.backward, with the vocab-parallel cross-entropy's backward under loss_parallel and
+        # ZeRO-1's wait for the reduce-scatters backward launched before `on_after_backward` (which then sees the
+        # reduced gradient slices on the optimizer's parameters)
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self._loss_context():
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        for opt in zero1:
+        for opt in self._distributed_optimizers():
             if opt.sync_enabled:  # not on accumulating micro-steps
                 opt.finish_gradient_sync()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)

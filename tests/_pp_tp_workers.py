@@ -12,8 +12,7 @@ import lightning_npu  # noqa: F401
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel import data as data_parallel
-from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel, unfuse_full_tensors
-from tests._gpt_workers import LossRecorder, parity_trainer
+from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._pp_workers import PP_GPT
 from tests._pp_zero_workers import _world
 from tests._zero_sp_workers import _record_norm_weight_dtypes
@@ -22,14 +21,7 @@ from tests._zero_sp_workers import _record_norm_weight_dtypes
 def full_local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's (stage's) tensors as full, original-layout tensors: gathered over dp and tp, fused q|k|v
     projections back in the unsharded model's order. Collective within each stage's (dp, tp) ranks."""
-    if data_parallel.is_fully_sharded(module):  # 2-D (dp, tp) DTensors, fused projections rank-major for tp
-        sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
-        sd = unfuse_full_tensors(sd, getattr(module, "_lnpu_fused", None) or {})
-    elif is_tensor_parallel(module):  # plain local tp shards (zero 0/1)
-        sd = full_state_dict(module)
-    else:
-        sd = module.state_dict()
-    return {k: v.detach().clone().cpu() for k, v in sd.items()}
+    return full_state(module)
 
 
 def run(

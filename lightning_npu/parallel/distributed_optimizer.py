@@ -111,7 +111,7 @@ class DistributedOptimizer(Optimizer):
     `param_groups` hold the DTensor slices with the user's hyper-parameters: LR schedulers, clipping and
     checkpoints act on what is actually stepped. `state` is the inner optimizer's (plain tensors of this
     rank's slices). The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
-    (or :meth:`reduce_gradients` after a pipeline schedule) and clears `sync_enabled` while accumulating.
+    (also after a pipeline schedule, without hooks) and clears `sync_enabled` while accumulating.
     """
 
     def __init__(
@@ -184,7 +184,6 @@ class DistributedOptimizer(Optimizer):
         public = [{**h, "params": [self._shard_of[id(p)] for p in g["params"]]}
                   for h, g in zip(hparams, optimizer.param_groups)]
         self.model_params = params
-        self.overlap = overlap
         self.sync_enabled = True
         self._hooks: list[Any] = []
         if overlap:
@@ -253,7 +252,6 @@ class DistributedOptimizer(Optimizer):
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         send = torch.empty(self.dp, bucket.total, dtype=torch.float32, device=bucket.grad.device)
         # rank-major, each gradient's dim 0 chunked and zero-padded: rank r's part is its rows of every gradient
         torch._chunk_cat(grads, dim=0, num_chunks=self.dp, out=send)
@@ -266,7 +264,8 @@ class DistributedOptimizer(Optimizer):
         bucket.launched = True
 
     def finish_gradient_sync(self) -> None:
-        """End of the stepping backward: reduce what the hooks did not launch, wait, average, attach.
+        """End of the stepping backward: reduce what the hooks did not launch (all of it without hooks, e.g.
+        after a pipeline schedule), wait, average, attach to the masters.
 
         A backward that gave none of this optimizer's parameters a gradient (another optimizer's turn under
         manual optimization) communicates nothing and leaves the masters without gradients, so it steps nothing.
@@ -292,10 +291,6 @@ class DistributedOptimizer(Optimizer):
         for bucket in self.buckets:
             for p in bucket.params:
                 self._shard_of[id(p)].grad = self._grad_of[id(p)] if p.requires_grad else None
-
-    def reduce_gradients(self) -> None:
-        """Reduce-scatter the gradients the parameters hold now (no hooks: e.g. after a pipeline schedule)."""
-        self.finish_gradient_sync()
 
     # ---- step -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -671,23 +671,21 @@ def tp_replicated_modules(model: nn.Module) -> list[nn.Module]:
 def unfuse_full_tensors(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Full tensors gathered from DTensor parameters hold fused projections rank-major: restore the original
     (part-major) layout. `full` keys may carry `prefix` (e.g. ``"state."`` for optimizer entries)."""
-    out = dict(full)
-    for key, value in full.items():
-        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
-        for fqn, (dim, parts, tp) in fused.items():
-            if (name == fqn or name.startswith(fqn + ".")) and isinstance(value, torch.Tensor) and value.dim() > dim:
-                out[key] = _part_major(value, dim, parts, tp)
-    return out
+    return _map_fused(full, fused, prefix, _part_major)
 
 
 def refuse_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Inverse of :func:`unfuse_full_tensors`: original layout -> the rank-major layout of `fused`'s tp size."""
+    return _map_fused(full, fused, prefix, _rank_major)
+
+
+def _map_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str, relayout: Any) -> dict[str, Any]:
     out = dict(full)
     for key, value in full.items():
         name = key[len(prefix):] if prefix and key.startswith(prefix) else key
         for fqn, (dim, parts, tp) in fused.items():
             if (name == fqn or name.startswith(fqn + ".")) and isinstance(value, torch.Tensor) and value.dim() > dim:
-                out[key] = _rank_major(value, dim, parts, tp)
+                out[key] = relayout(value, dim, parts, tp)
     return out
 
 
