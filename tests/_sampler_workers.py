@@ -18,18 +18,17 @@ STEP4 = "epoch=0-step=4.ckpt"  # ModelCheckpoint's name for the step-4 save: mid
 
 
 class Recorder(L.Callback):
-    """Per optimizer step: the logged (dp-mean) loss; per batch: which samples this rank read (first tokens)."""
+    """Per batch: the logged (dp-mean) loss and which samples this rank read (their input tokens)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
-        self.samples: list[list[list[int]]] = []  # [batch][sample] -> first 8 token ids
+        self.samples: list[list[list[int]]] = []  # [batch][sample] -> input token ids
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.samples.append(batch[0][:, :8].tolist())
+        self.samples.append(batch[0].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not trainer.fit_loop._should_accumulate():
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
 def train(
@@ -79,7 +78,10 @@ def train(
 
 
 def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    # Lightning's environment deletes WORLD_SIZE at teardown; the next Trainer of this process needs it
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(os.environ["WORLD_SIZE"])
+    os.environ["WORLD_SIZE"] = str(world)
+    return world
 
 
 def run_many(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
