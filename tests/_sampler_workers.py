@@ -1,4 +1,4 @@
-"""Mid-epoch resume workers: `lightning_npu.launch.spawn` runs `run_many` in fresh processes (one Trainer per config)."""
+"""Mid-epoch resume workers: `lightning_npu.launch.spawn` runs `run_many` in fresh processes, a Trainer per config."""
 
 from __future__ import annotations
 
@@ -38,22 +38,25 @@ def train(
     accumulate_grad_batches: int = 1,
     ckpt_dir: Optional[str] = None,
     ckpt_in: Optional[str] = None,
+    every: int = 4,
+    limit_train_batches: Optional[int] = None,
 ) -> dict[str, Any]:
     """Train the small GPT example, shuffled by Lightning's default (per-rank `batch_size`), fp32; checkpoint every 4
-    steps into `ckpt_dir`, or resume from `ckpt_in`."""
+    steps (`every`) into `ckpt_dir`, or resume from `ckpt_in`."""
     L.seed_everything(0, verbose=False)
     model = GPTModule(**SMALL_GPT)
     data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=batch_size, shuffle=True)
     recorder = Recorder()
     callbacks: list[L.Callback] = [recorder]
     if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1))
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=_world(),
         strategy=NPUHybridStrategy(**(strategy_kwargs or {})),
         precision="32-true",
         max_steps=steps,
+        limit_train_batches=limit_train_batches,
         accumulate_grad_batches=accumulate_grad_batches,
         limit_val_batches=0,
         num_sanity_val_steps=0,

@@ -20,6 +20,7 @@ LAYOUTS = {
     "pp2": dict(batch_size=4, strategy_kwargs=dict(pipeline_parallel_size=2)),
     "dp2_acc2": dict(batch_size=1, accumulate_grad_batches=2),
 }
+EPOCH_END = dict(batch_size=2, limit_train_batches=3)
 # the dp=2 checkpoint resumed by one process: the doubled batch, or the same batch accumulated twice
 DP1 = {"dp1_batch4": dict(batch_size=4), "dp1_acc2": dict(batch_size=2, accumulate_grad_batches=2)}
 
@@ -91,6 +92,15 @@ def test_workers_prefetch_is_not_counted():
     assert torch.cat(first + list(resumed)).tolist() == torch.cat(list(fresh)).tolist()
 
 
+def test_finished_epoch_and_foreign_state():
+    loader, _ = _loader(list(range(16)), 2, 0, 2)
+    loader.load_state_dict({"epoch": 0, "consumed_samples": 16})
+    assert list(loader) == []  # saved after the epoch's last batch: the rest of the epoch is empty, not a replay
+    assert len(list(loader)) == 4  # and the next pass starts at the beginning
+    with pytest.raises(ValueError, match="consumed_samples"):
+        loader.load_state_dict({"_snapshot": {}})  # another loader's state (e.g. torchdata's StatefulDataLoader)
+
+
 def test_only_plain_map_style_loaders_are_converted():
     data = list(range(16))
     sampler = DistributedSampler(data, num_replicas=2, rank=0)
@@ -112,12 +122,21 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sampler")
     names = list(LAYOUTS)
     # the uninterrupted runs also save the mid-epoch step-4 checkpoints
-    full = spawn(run_many, 2, [dict(**LAYOUTS[n], steps=STEPS, ckpt_dir=str(root / n)) for n in names])
-    resumed = spawn(run_many, 2, [dict(**LAYOUTS[n], steps=STEPS, ckpt_in=str(root / n / STEP4)) for n in names])
-    dp1 = spawn(run_many, 1, [dict(**c, steps=STEPS, ckpt_in=str(root / "dp2" / STEP4)) for c in DP1.values()])[0]
+    full = [dict(**LAYOUTS[n], steps=STEPS, ckpt_dir=str(root / n)) for n in names]
+    resumed = [dict(**LAYOUTS[n], steps=STEPS, ckpt_in=str(root / n / STEP4)) for n in names]
+    # and a checkpoint at the last batch of a 3-batch epoch: the resume goes on with the next epoch
+    full.append(dict(**EPOCH_END, steps=6, every=3, ckpt_dir=str(root / "epoch_end")))
+    resumed.append(dict(**EPOCH_END, steps=6, ckpt_in=str(root / "epoch_end" / "epoch=0-step=3.ckpt")))
+    full, resumed = spawn(run_many, 2, full), spawn(run_many, 2, resumed)
     out = {n: {"full": [r[i] for r in full], "resumed": [r[i] for r in resumed]} for i, n in enumerate(names)}
-    out.update({n: {"resumed": [dp1[i]]} for i, n in enumerate(DP1)})
-    return out
+    out["epoch_end"] = {"full": [r[-1] for r in full], "resumed": [r[-1] for r in resumed]}
+    return {"root": root, **out}
+
+
+@pytest.fixture(scope="module")
+def dp1_runs(runs):
+    configs = [dict(**c, steps=STEPS, ckpt_in=str(runs["root"] / "dp2" / STEP4)) for c in DP1.values()]
+    return dict(zip(DP1, spawn(run_many, 1, configs)[0]))
 
 
 def _step_losses(run, accumulate=1):
@@ -143,18 +162,18 @@ def _check_same_params(got, want):
 def test_mid_epoch_resume_equals_uninterrupted(runs, layout):
     accumulate = LAYOUTS[layout].get("accumulate_grad_batches", 1)
     for rank, (full, resumed) in enumerate(zip(runs[layout]["full"], runs[layout]["resumed"])):
-        assert full["loader"] == resumed["loader"] == "ResumableDataLoader"
         assert resumed["global_step"] == STEPS
         assert full["num_training_batches"] > 1000  # the checkpoint at step 4 is in the middle of the epoch
-        # the resumed run reads the uninterrupted run's batches 5..8, not the epoch's first ones again
-        assert resumed["samples"] == full["samples"][4 * accumulate :], f"rank {rank}"
-        assert resumed["loader_state"] == full["loader_state"]
-        assert full["loader_state"]["consumed_samples"] == STEPS * 4
         want = _step_losses(full, accumulate)[4:]
         got = _step_losses(resumed, accumulate)
+        print(f"{layout} rank {rank}: max |loss diff| {float((got - want).abs().max()):.3g}", end=", ")
         torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
-        params = _check_same_params(resumed["state"], full["state"])
-        print(f"{layout} rank {rank}: max |loss diff| {float((got - want).abs().max()):.3g}, max |param diff| {params:.3g}")
+        print(f"max |param diff| {_check_same_params(resumed['state'], full['state']):.3g}")
+        # the resumed run reads the uninterrupted run's batches 5..8, not the epoch's first ones again
+        assert resumed["samples"] == full["samples"][4 * accumulate :], f"rank {rank}"
+        assert full["loader"] == resumed["loader"] == "ResumableDataLoader"
+        assert resumed["loader_state"] == full["loader_state"]
+        assert full["loader_state"]["consumed_samples"] == STEPS * 4
     ranks = runs[layout]["full"]
     if LAYOUTS[layout].get("strategy_kwargs"):  # tp / pp peers (dp=1) read the same batches
         assert ranks[0]["samples"] == ranks[1]["samples"]
@@ -162,16 +181,28 @@ def test_mid_epoch_resume_equals_uninterrupted(runs, layout):
         assert not {str(s) for b in ranks[0]["samples"] for s in b} & {str(s) for b in ranks[1]["samples"] for s in b}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(DP1))
-def test_resume_under_another_dp_size_keeps_the_global_order(runs, layout):
+def test_resume_under_another_dp_size_keeps_the_global_order(runs, dp1_runs, layout):
     """dp=2 (batch 2) checkpoint at step 4 resumed by one process with batch 4, or batch 2 accumulated twice."""
     accumulate = DP1[layout].get("accumulate_grad_batches", 1)
-    full, (resumed,) = runs["dp2"]["full"], runs[layout]["resumed"]
-    assert resumed["loader"] == "ResumableDataLoader" and resumed["global_step"] == STEPS
-    assert _global_batches([resumed], accumulate) == _global_batches(full)[4:]
-    assert resumed["loader_state"]["consumed_samples"] == STEPS * 4
+    full, resumed = runs["dp2"]["full"], dp1_runs[layout]
+    assert resumed["global_step"] == STEPS
     want = _step_losses(full[0])[4:]
     got = _step_losses(resumed, accumulate)
+    print(f"{layout}: max |loss diff| {float((got - want).abs().max()):.3g}", end=", ")
     torch.testing.assert_close(got, want, rtol=RTOL, atol=0)
-    params = _check_same_params(resumed["state"], full[0]["state"])
-    print(f"{layout}: max |loss diff| {float((got - want).abs().max()):.3g}, max |param diff| {params:.3g}")
+    print(f"max |param diff| {_check_same_params(resumed['state'], full[0]['state']):.3g}")
+    assert _global_batches([resumed], accumulate) == _global_batches(full)[4:]
+    assert resumed["loader"] == "ResumableDataLoader"
+    assert resumed["loader_state"]["consumed_samples"] == STEPS * 4
+
+
+def test_resume_at_an_epoch_end_starts_the_next_epoch(runs):
+    """A checkpoint after an epoch's last batch (limit_train_batches=3, step 3): the resume reads epoch 1 from its
+    start, as the uninterrupted run does (the saved position belongs to the finished epoch)."""
+    for full, resumed in zip(runs["epoch_end"]["full"], runs["epoch_end"]["resumed"]):
+        torch.testing.assert_close(_step_losses(resumed), _step_losses(full)[3:], rtol=RTOL, atol=0)
+        _check_same_params(resumed["state"], full["state"])
+        assert resumed["samples"] == full["samples"][3:]
+        assert resumed["loader_state"]["epoch"] == 1 and resumed["loader_state"]["consumed_samples"] == 3 * 4

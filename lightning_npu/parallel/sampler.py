@@ -18,8 +18,10 @@ the position in the epoch is kept as the number of *global* samples consumed (``
 injects (``use_distributed_sampler=True``, the default), into a `ResumableDataLoader`: nothing changes in the data
 order of an uninterrupted run. Other training loaders are left as they are:
 
-- Iterable datasets have no sampler; they must be stateful themselves: return torchdata's ``StatefulDataLoader``,
-  or a DataLoader (subclass) or dataset with ``state_dict``/``load_state_dict`` that Lightning then checkpoints.
+- Iterable datasets have no sampler; they must be stateful themselves: a dataset with ``state_dict``/
+  ``load_state_dict`` (its position in the stream) inside torchdata's ``StatefulDataLoader``, which saves it (also
+  with workers), or a loader of your own with those methods. Lightning checkpoints the loader's state, not the
+  dataset's.
 - DataLoader subclasses, custom samplers and batch samplers keep Lightning's behaviour (restart at batch 0); make
   them stateful the same way.
 """
@@ -51,7 +53,9 @@ class ResumableDistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"ResumableDistributedSampler(rank={rank}): expected 0 <= rank < num_replicas={num_replicas}.")
+            raise ValueError(
+                f"ResumableDistributedSampler(rank={rank}): expected 0 <= rank < num_replicas={num_replicas}."
+            )
         self.dataset_size = int(dataset_size)
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
@@ -154,11 +158,14 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sampler: ResumableDistributedSampler = self.sampler  # type: ignore[assignment]
-        changed = [
-            f"{key}: {state_dict[key]!r} -> {now!r}"
-            for key, now in (("dataset_size", sampler.dataset_size), ("shuffle", sampler.shuffle), ("seed", sampler.seed))
-            if key in state_dict and state_dict[key] != now
-        ]
+        if not isinstance(state_dict, dict) or not {"epoch", "consumed_samples"} <= state_dict.keys():
+            raise ValueError(
+                "ResumableDataLoader.load_state_dict: the checkpoint's train loader state "
+                f"{sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__} has no "
+                "'epoch'/'consumed_samples'; another kind of loader saved it. Resume with the loader that saved it."
+            )
+        now = {"dataset_size": sampler.dataset_size, "shuffle": sampler.shuffle, "seed": sampler.seed}
+        changed = [f"{k}: {state_dict[k]!r} -> {v!r}" for k, v in now.items() if k in state_dict and state_dict[k] != v]
         if changed:
             warnings.warn(
                 "The training data order differs from the checkpoint's (" + ", ".join(changed) + "): resuming at "
