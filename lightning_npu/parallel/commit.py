@@ -215,7 +215,13 @@ def commit(tmp: PathLike, final: PathLike, token: str, marker: Optional[dict[str
 
 
 def delete(path: PathLike) -> None:
-    """Unmark first, then delete: a crash half way leaves an incomplete checkpoint, never a trusted broken one."""
+    """Unmark first, then delete: a crash half way leaves an incomplete checkpoint, never a trusted broken one.
+
+    An aside copy (what discovery lists for an interrupted overwrite) takes its checkpoint's marker along."""
+    path = Path(path)
+    parsed = _parse(path.name)
+    if parsed is not None and parsed[0] == "old" and not _exists(path.with_name(parsed[1])):
+        marker_path(path.with_name(parsed[1])).unlink(missing_ok=True)
     marker_path(path).unlink(missing_ok=True)
     remove_path(path)
 
