@@ -6,7 +6,7 @@ rank 0 calls :func:`commit`, once:
 1. an existing ``<name>`` is renamed aside to ``.old-<name>-<token>`` (then its marker, if any);
 2. the temporary is renamed to ``<name>`` (the commit point);
 3. the completion marker ``<name>.complete`` is written, atomically (callbacks ask for one);
-4. the aside copy is deleted.
+4. the aside copy is deleted (and the leftovers of earlier crashed saves of that name).
 
 Nothing is deleted before the new data is in place, so a crash at any point leaves the last good
 checkpoint loadable: discovery (:func:`list_complete`) and :func:`resolve_checkpoint_path` fall back
@@ -211,6 +211,7 @@ def commit(tmp: PathLike, final: PathLike, token: str, marker: Optional[dict[str
         _fsync_dir(final.parent)
     remove_path(aside)
     marker_path(aside).unlink(missing_ok=True)
+    clean_stale(final.parent, names=[final.name])  # older crashed saves of this name are obsolete now
     return final
 
 
