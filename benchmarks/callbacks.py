@@ -152,7 +152,7 @@ def checkpoint_blocking(args, strategy_name: str, async_save: bool) -> dict:
                                  keep_last_k=2)
         strategy = NPUHybridStrategy(async_save=async_save) if strategy_name == "npu_hybrid" else "auto"
         L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.ckpt_steps, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False,
                   default_root_dir=root, callbacks=[ck]).fit(model)
         latest = Path(DynamicCheckpoint.find_latest(root + "/ck"))
         size = sum(f.stat().st_size for f in ([latest] if latest.is_file() else latest.rglob("*")) if f.is_file())
