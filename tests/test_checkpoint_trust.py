@@ -66,7 +66,7 @@ class _Module(StepSeeded):
         return loss
 
 
-def test_planted_pickles_are_refused_by_fit_and_convert_checkpoint(tmp_path):
+def test_planted_pickles_are_refused_by_fit_and_convert_checkpoint(tmp_path, capsys):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_npu.cli import main
@@ -102,6 +102,7 @@ def test_planted_pickles_are_refused_by_fit_and_convert_checkpoint(tmp_path):
         with pytest.raises(SystemExit) as exit_:
             main(["convert-checkpoint", str(bad), str(out)])
         assert exit_.value.code != 0 and not out.exists()
+        assert f"Refused to load '{bad / name}'" in capsys.readouterr().err
         assert not flag.exists(), f"the payload in {name} ran"
 
     # the untouched checkpoint still resumes and converts
@@ -216,7 +217,8 @@ def test_new_run_in_reused_directory_prunes_only_its_own(tmp_path):
     assert steps[4] == steps[6] == dyn.run_id != steps[8]
     # a run resumed from a checkpoint continues that run: same id, prunes its older checkpoints
     resumed = _dyn(d, keep_last_k=2)
-    L.Trainer(callbacks=[resumed], **trainer_kwargs(tmp_path / "c", 10)).fit(StepSeeded(), ckpt_path=str(d / "step=00000006.ckpt"))
+    L.Trainer(callbacks=[resumed], **trainer_kwargs(tmp_path / "c", 10)).fit(StepSeeded(),
+                                                                             ckpt_path=str(d / "step=00000006.ckpt"))
     assert resumed.run_id == dyn.run_id
     assert sorted(i.step for i in _store.list_complete(d) if i.meta["run"] == dyn.run_id) == [8, 10]
 
