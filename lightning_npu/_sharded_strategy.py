@@ -126,7 +126,7 @@ class ShardedStrategyMixin:
         self._writer().save(tensors, checkpoint, path, token, self.is_global_zero, self.barrier, request)
 
     def finalize_checkpoints(self) -> None:
-        """Wait for (and commit) an async save still in flight. Collective."""
+        """Wait for an async save in flight (rank 0 commits it as soon as written); raise its error. Collective."""
         if self._ckpt_writer is not None:
             self._ckpt_writer.finalize(self.barrier)
 

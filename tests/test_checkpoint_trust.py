@@ -105,6 +105,14 @@ def test_planted_pickles_are_refused_by_fit_and_convert_checkpoint(tmp_path, cap
         assert f"Refused to load '{bad / name}'" in capsys.readouterr().err
         assert not flag.exists(), f"the payload in {name} ran"
 
+    # a single-file checkpoint resumed by npu_hybrid goes through the same refusal
+    single = tmp_path / "single.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": _Payload(str(flag))}, single)
+    t = L.Trainer(strategy=NPUHybridStrategy(), **trainer_kwargs(tmp_path / "resume", 6))
+    with pytest.raises(UnsafeCheckpointError, match="Refused to load .*single.ckpt"):
+        t.fit(_Module(), ckpt_path=str(single))
+    assert not flag.exists()
+
     # the untouched checkpoint still resumes and converts
     model = _Module()
     t = L.Trainer(callbacks=[_dyn(tmp_path / "ck3")], strategy=NPUHybridStrategy(), precision="bf16-mixed",
