@@ -284,7 +284,7 @@ class GradientHealthGuard(Callback):
         if path is None:
             log.warning("GradientHealthGuard: no complete checkpoint to roll back to; the step is skipped instead.")
         else:
-            checkpoint = trainer.strategy.load_checkpoint(path, weights_only=False)
+            checkpoint = trainer.strategy.load_checkpoint(path, weights_only=True)
             trainer.strategy.load_model_state_dict(checkpoint, strict=True)
             trainer.strategy.load_optimizer_state_dict(checkpoint)
         if self.rollback_lr_factor is not None and self.rollback_lr_factor != 1.0:
