@@ -140,7 +140,7 @@ class ParallelConfig:
             math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0
         ):
             raise ParallelConfigError(
-                f"`bucket_size_mb={self.bucket_size_mb!r}` must be a finite positive number of MiB, e.g. 25.0."
+                f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive, finite number of MiB, e.g. 25.0."
             )
         if self.hierarchical_allreduce not in HIERARCHICAL:
             raise ParallelConfigError(
