@@ -54,6 +54,9 @@ def check_path(owner: str, name: str, value: Any) -> Optional[str]:
 
 def check_numbers(owner: str, name: str, value: Any, example: str) -> tuple:
     """A list or tuple of real numbers (a str is a sequence too, but never what was meant)."""
-    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+    numbers = isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    )
+    if not numbers:
         raise TypeError(f"{owner}({name}={value!r}): must be a tuple or list of numbers, e.g. {name}={example}.")
     return tuple(value)

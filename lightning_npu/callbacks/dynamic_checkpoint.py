@@ -71,7 +71,8 @@ class DynamicCheckpoint(Checkpoint):
         _validate_schedule(phase_fractions, intervals)
         check_int("DynamicCheckpoint", "keep_last_k", keep_last_k, 1, 3, allow_none=True)
         dirpath = check_path("DynamicCheckpoint", "dirpath", dirpath)
-        for flag, value in (("save_on_train_end", save_on_train_end), ("async_save", async_save), ("checksum", checksum)):
+        for flag, value in (("save_on_train_end", save_on_train_end), ("async_save", async_save),
+                            ("checksum", checksum)):
             check_bool("DynamicCheckpoint", flag, value)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.phase_fractions = tuple(float(f) for f in phase_fractions)

@@ -40,7 +40,10 @@ def _signal(name: Any) -> signal.Signals:
     try:
         if isinstance(name, bool):
             raise TypeError
-        sig = name if isinstance(name, signal.Signals) else signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
+        if isinstance(name, signal.Signals):
+            sig = name
+        else:
+            sig = signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
     except (KeyError, ValueError, TypeError):
         raise ValueError(
             f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal; use names such as 'SIGTERM', 'SIGUSR1'."
@@ -90,7 +93,8 @@ class PreemptionCheckpoint(Callback):
             signals = (signals,)  # one signal, not the letters of its name
         if not isinstance(signals, (list, tuple, set, frozenset)):
             raise TypeError(
-                f"PreemptionCheckpoint(signals={signals!r}): give a signal or a list of signals, e.g. ('SIGTERM', 'SIGUSR1')."
+                f"PreemptionCheckpoint(signals={signals!r}): give a signal or a list of signals, "
+                "e.g. ('SIGTERM', 'SIGUSR1')."
             )
         self.signals = list(dict.fromkeys(_signal(s) for s in signals))
         if not self.signals:

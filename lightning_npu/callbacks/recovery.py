@@ -183,7 +183,9 @@ class TrainingGuard(Callback):
         if isinstance(restart_backoff, bool) or not isinstance(restart_backoff, (int, float)) or not (
             math.isfinite(restart_backoff) and restart_backoff >= 0
         ):
-            raise ValueError(f"TrainingGuard(restart_backoff={restart_backoff!r}): seconds >= 0, e.g. restart_backoff=1.0.")
+            raise ValueError(
+                f"TrainingGuard(restart_backoff={restart_backoff!r}): must be seconds >= 0, e.g. restart_backoff=1.0."
+            )
         if job_id is not None and (not isinstance(job_id, str) or not job_id):
             raise TypeError(f"TrainingGuard(job_id={job_id!r}): a non-empty string, or None to derive it.")
         self.allow_fresh_start = allow_fresh_start
@@ -241,7 +243,8 @@ class TrainingGuard(Callback):
                 self.restarts += 1
                 latest = self.latest_checkpoint(trainer, exclude=_still(bad)) if ckpt_path == "latest" else ckpt_path
                 self._record(trainer, "restart", f"torchrun restarted the workers (restart {elastic_restart}): a rank "
-                             f"failed or was lost; resuming from {latest} (restart {self.restarts}/{self.max_restarts})",
+                             f"failed or was lost; resuming from {latest} "
+                             f"(restart {self.restarts}/{self.max_restarts})",
                              elastic_restart=elastic_restart)
             if self.restarts > self.max_restarts:
                 self._give_up(trainer, f"torchrun restart {elastic_restart}")
@@ -314,7 +317,8 @@ class TrainingGuard(Callback):
 
     @staticmethod
     def _set_aside(path: Path) -> Path:
-        """Move a checkpoint and its marker to ``quarantine/<time>-<id>/`` (marker first: never vouch for moving data)."""
+        """Move a checkpoint and its marker to ``quarantine/<time>-<id>/``; the marker first, so that it never
+        vouches for data being moved."""
         dest = path.parent / "quarantine" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         dest.mkdir(parents=True, exist_ok=True)
         for src in (_store.marker_path(path), path):

@@ -79,8 +79,9 @@ def check_private_dir(path: Path) -> None:
                 )
             if writable:
                 raise UnsafeCacheError(
-                    f"C++ extension cache {d} is writable by its group or by everyone (mode {stat.S_IMODE(st.st_mode):o}):"
-                    f" anyone could plant a binary there. Run `chmod go-w {d}`, or {fix_env}."
+                    f"C++ extension cache {d} is writable by its group or by everyone "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}): anyone could plant a binary there. "
+                    f"Run `chmod go-w {d}`, or {fix_env}."
                 )
         elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise UnsafeCacheError(

@@ -50,7 +50,9 @@ def _check_backend(value: Any) -> None:
     for part in value.split(","):
         name = part.split(":")[-1].strip().lower()
         if name not in KNOWN_BACKENDS and name not in registered:
-            raise ParallelConfigError(f"`process_group_backend={value!r}`: {name!r} is not a process group backend; {fix}")
+            raise ParallelConfigError(
+                f"`process_group_backend={value!r}`: {name!r} is not a process group backend; {fix}"
+            )
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -155,11 +157,16 @@ class ParallelConfig:
 
     @staticmethod
     def check_strategy_options(
-        start_method: Any = "popen", find_unused_parameters: Any = False, static_graph: Any = False, async_save: Any = False
+        start_method: Any = "popen",
+        find_unused_parameters: Any = False,
+        static_graph: Any = False,
+        async_save: Any = False,
     ) -> None:
         """The strategy's launch and DDP options, which are not part of the layout but fail as late as it does."""
         if start_method not in START_METHODS:
-            raise ParallelConfigError(f"`start_method={start_method!r}` is unknown; choose one of {list(START_METHODS)}.")
+            raise ParallelConfigError(
+                f"`start_method={start_method!r}` is unknown; choose one of {list(START_METHODS)}."
+            )
         _flag("find_unused_parameters", find_unused_parameters)
         _flag("static_graph", static_graph)
         _flag("async_save", async_save)
