@@ -3,8 +3,9 @@
 Schedulers and spot instances announce preemption with a signal and a grace period. A signal
 handler must not touch collectives (Lightning 2.6's own SIGTERM handler broadcasts from inside the
 handler, which deadlocks when only some ranks are signalled), so the handler only sets a flag; at
-the next step boundary the flag is all-reduced, every rank saves the same checkpoint through the
-atomic path, and training stops normally, so the process exits 0 once the script returns.
+the next step (or validation batch) boundary the flag is all-reduced, every rank saves the same
+checkpoint through the atomic path, and training stops normally, so the process exits 0 once the
+script returns.
 
 Handlers installed before this callback's (Lightning's SLURM ``SIGUSR1`` auto-requeue, a user's own)
 are chained, not replaced: they run after the checkpoint is committed, at that same agreed step
