@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
+from lightning_npu.parallel.full_state import full_state_dict, load_full_state_dict
 from lightning_npu.precision import HybridPrecision
 from lightning_npu.strategy import NPUHybridStrategy
 
@@ -28,5 +29,7 @@ __all__ = [
     "NPUHybridStrategy",
     "NotImplementedYetError",
     "ParallelConfigError",
+    "full_state_dict",
+    "load_full_state_dict",
     "register",
 ]

@@ -30,6 +30,8 @@ class ShardedStrategyMixin:
     """Needs the strategy attributes: parallel_config, device_mesh, lightning_module, optimizers."""
 
     async_save: bool = False
+    # `trainer.save_checkpoint(path, storage_options=CommitRequest(...))`: the commit (and marker) is ours
+    accepts_commit_request: bool = True
     _ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
     _restored_from_file: bool = False
 
@@ -103,7 +105,8 @@ class ShardedStrategyMixin:
             return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
+        request = storage_options if isinstance(storage_options, ckpt.CommitRequest) else None
+        if storage_options is not None and request is None:
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: sharded "
                 "checkpoints are written with torch.distributed.checkpoint, not the CheckpointIO plugin."
@@ -120,10 +123,10 @@ class ShardedStrategyMixin:
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
         checkpoint["lightning_npu"] = self.layout()
-        self._writer().save(tensors, checkpoint, path, token, self.is_global_zero, self.barrier)
+        self._writer().save(tensors, checkpoint, path, token, self.is_global_zero, self.barrier, request)
 
     def finalize_checkpoints(self) -> None:
-        """Wait for (and commit) an async save still in flight. Collective."""
+        """Wait for an async save in flight (rank 0 commits it as soon as written); raise its error. Collective."""
         if self._ckpt_writer is not None:
             self._ckpt_writer.finalize(self.barrier)
 
@@ -138,7 +141,8 @@ class ShardedStrategyMixin:
                     f"{self.parallel_config.zero_stage} is not supported. Resume it with zero_stage 0 or 1 and save "
                     "again (a sharded directory), which then loads under any stage."
                 )
-            return super().load_checkpoint(path, weights_only=weights_only)
+            with ckpt.refusing_unsafe(path):  # every file is read with weights_only=True
+                return super().load_checkpoint(path, weights_only=True)
         module = self.lightning_module
         load = ckpt.load_sharded
         if ckpt.is_sharded_checkpoint(path) and ckpt.fused_layout_changes(ckpt.read_meta(path), module):
@@ -149,7 +153,6 @@ class ShardedStrategyMixin:
                 module,
                 [_unwrap(o) for o in self.optimizers],
                 strict=module.strict_loading,
-                weights_only=weights_only,
             )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -170,5 +173,5 @@ class ShardedStrategyMixin:
 
     def teardown(self) -> None:
         if self._ckpt_writer is not None:
-            self._ckpt_writer.finalize()  # no collective here: teardown also runs after exceptions
+            ckpt.finalize_at_teardown(self._ckpt_writer)
         super().teardown()

@@ -70,4 +70,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | No
             if not (saved and err.signal_name == "SIGABRT"):
                 raise
             warnings.warn(f"lightning_npu.launch.spawn: {err} after every rank returned its result; ignored.")
+        # not a checkpoint: any picklable return value of `fn`, written by this call's own workers into a private
+        # (0700) temporary directory, so weights_only=False here trusts nothing but this process's children
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -399,6 +399,7 @@ class HybridPrecision(Precision):
         self._master_order: list[int] = []
         self._prepared: set[int] = set()
         self._found_inf: dict[int, bool] = {}
+        self._grad_stats: dict[int, Tensor] = {}  # id(optimizer) -> this step's [norm, variance]
         self._step_generation = 0
         self._last_step_skipped = False
         self._scheduler_seen: dict[int, int] = {}
@@ -517,9 +518,8 @@ class HybridPrecision(Precision):
 
     # ---- backward and step --------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            tensor = tensor * self.scaler.scale
-        return super().pre_backward(tensor, module)
+        tensor = super().pre_backward(tensor, module)  # `on_before_backward` sees the training loss, not loss x scale
+        return tensor * self.scaler.scale if self.scaler is not None else tensor
 
     def _prepare_grads(self, optimizer: Any) -> bool:
         """Master grads from model grads, unscale, all-reduced overflow check (once per step)."""
@@ -561,6 +561,7 @@ class HybridPrecision(Precision):
         automatic = isinstance(model, pl.LightningModule) and model.automatic_optimization
         if closure_result is None and automatic:  # training_step returned None: no backward, no step
             self._prepared.discard(id(raw))
+            self._grad_stats.pop(id(raw), None)
             return closure_result
         self.last_grad_norm = None
         found_inf = self._prepare_grads(raw)
@@ -576,6 +577,7 @@ class HybridPrecision(Precision):
         if self.scaler is not None:
             self.scaler.update(found_inf)
         self._prepared.discard(id(raw))
+        self._grad_stats.pop(id(raw), None)
         self._log(model)
         return step_output
 
@@ -623,10 +625,21 @@ class HybridPrecision(Precision):
         raw = _raw_optimizer(optimizer)
         if self._prepare_grads(raw):
             return  # overflow: this step is skipped on every rank
-        params = list(self.main_params(raw))
-        total = gn.global_grad_norm(params, pp_group=self._pp_group())
-        gn.clip_grads_by_total_norm_(params, float(clip_val), total)
+        total = self.gradient_statistics(raw)[0]
+        gn.clip_grads_by_total_norm_(list(self.main_params(raw)), float(clip_val), total)
         self.last_grad_norm = total
+
+    def gradient_statistics(self, optimizer: Any) -> Tensor:
+        """This step's fp32 ``[global grad norm, element variance]`` of the unscaled gradients `optimizer` steps.
+
+        Computed once per step (clipping, the logged ``grad_norm`` and GradientHealthGuard share it); call on
+        every rank. Inside `on_before_optimizer_step` the gradients are already unscaled.
+        """
+        raw = _raw_optimizer(optimizer)
+        self._prepare_grads(raw)
+        if id(raw) not in self._grad_stats:
+            self._grad_stats[id(raw)] = gn.gradient_statistics(self.main_params(raw), pp_group=self._pp_group())
+        return self._grad_stats[id(raw)]
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         raw = _raw_optimizer(optimizer)
@@ -635,10 +648,7 @@ class HybridPrecision(Precision):
         super().clip_grad_by_value(raw, clip_val)
 
     def _pp_group(self) -> Any:
-        mesh = getattr(self._pl_module, "_device_mesh", None)
-        if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or mesh["pp"].size() == 1:
-            return None
-        return mesh["pp"].get_group()
+        return gn.pipeline_group(getattr(self._pl_module, "_device_mesh", None))
 
     # ---- checkpointing ------------------------------------------------------------------
     @contextlib.contextmanager

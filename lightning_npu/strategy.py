@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu._sharded_strategy import ShardedStrategyMixin
@@ -495,6 +496,18 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             description="lightning-npu hybrid tensor/pipeline/data parallelism (npu, cuda, cpu)",
             override=True,
         )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader's sampler becomes resumable (`lightning_npu.parallel.sampler`): a mid-epoch resume
+        continues at the consumed global sample instead of replaying the epoch from batch 0."""
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        if module is None or module._trainer is None or not module.trainer.training:
+            return dataloader  # evaluation loaders: Lightning checkpoints no position for them
+        from lightning_npu.parallel.sampler import resumable_dataloader
+
+        return resumable_dataloader(dataloader)
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-import lightning_npu  # noqa: F401
+import lightning_npu
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
@@ -34,19 +34,7 @@ class LossRecorder(L.Callback):
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
 
-def full_state(pl_module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full, original-layout tensors on every rank: FSDP2 (x TP) DTensors and plain tp shards are gathered (a
-    collective when the model is sharded: call it on every rank)."""
-    from lightning_npu.parallel.data import is_fully_sharded
-    from lightning_npu.parallel.tensor import full_state_dict, gathered_state_dict, is_tensor_parallel
-
-    if is_fully_sharded(pl_module):
-        state = gathered_state_dict(pl_module)
-    elif is_tensor_parallel(pl_module):
-        state = full_state_dict(pl_module)
-    else:
-        state = pl_module.state_dict()
-    return {k: v.detach().clone().cpu() for k, v in state.items()}
+full_state = lightning_npu.full_state_dict  # full, original-layout tensors in any layout (a collective)
 
 
 def parity_trainer(

@@ -19,9 +19,9 @@ from tests._zero_sp_workers import _record_norm_weight_dtypes
 
 
 def full_local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's (stage's) tensors as full, original-layout tensors: gathered over dp and tp, fused q|k|v
-    projections back in the unsharded model's order. Collective within each stage's (dp, tp) ranks."""
-    return full_state(module)
+    """This rank's (stage's) keys of the model's full, original-layout state (a collective)."""
+    own = module.state_dict().keys()
+    return {k: v for k, v in full_state(module).items() if k in own}
 
 
 def run(

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-import lightning_npu  # noqa: F401
+import lightning_npu
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import HybridPrecision, NPUHybridStrategy
@@ -22,9 +22,7 @@ TINY_GPT = dict(
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """fp32 copies of the full tensors (DTensor and tensor-parallel shards gathered: a collective, call on every
     rank)."""
-    from tests._gpt_workers import full_state as gathered
-
-    return {k: v.float() for k, v in gathered(module).items()}
+    return {k: v.float() for k, v in lightning_npu.full_state_dict(module).items()}
 
 
 def master_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:

@@ -8,11 +8,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-import lightning_npu  # noqa: F401
+import lightning_npu
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
+from lightning_npu.parallel.tensor import is_tensor_parallel
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
 
@@ -75,7 +75,7 @@ def train_tp(
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
     sharded = is_tensor_parallel(model)
     local_numel = sum(p.numel() for p in model.parameters())
-    state = full_state_dict(model) if sharded else model.state_dict()
+    state = lightning_npu.full_state_dict(model)
     return {
         "logged": recorder.logged,
         "local": recorder.local,

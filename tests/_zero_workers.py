@@ -14,9 +14,8 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-import lightning_npu  # noqa: F401
+import lightning_npu
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
@@ -127,10 +126,7 @@ class Probe(L.Callback):
         self.lr.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
 
-def full_params(pl_module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank gets the full (unsharded) tensors: collective."""
-    sd = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().clone().cpu() for k, v in sd.items()}
+full_params = lightning_npu.full_state_dict  # every rank gets the full (unsharded) tensors: collective
 
 
 def full_optimizer_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:

@@ -2,8 +2,10 @@
 
 Early steps are the cheapest to lose but the likeliest to fail (bad configs, divergence), late
 steps the reverse, and large checkpoints cost minutes each; a phase-dependent interval spends the
-save time where a restart would otherwise cost the most. Saves are atomic (see `_store`) and go
-through `trainer.save_checkpoint`, so sharded strategy checkpoints are committed the same way.
+save time where a restart would otherwise cost the most. Saves go through `trainer.save_checkpoint`
+and are committed once, atomically, by `lightning_npu.parallel.commit` (see `_saver`), so sharded
+strategy checkpoints are committed the same way. Each marker carries the run's id: a new run in a
+reused directory prunes only its own checkpoints, and a resumed run adopts the id it resumes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -52,7 +55,8 @@ class DynamicCheckpoint(Checkpoint):
         save_on_train_end: also save the final state.
         keep_last_k: complete checkpoints kept on disk (``None`` keeps all).
         async_save: write in a background thread (wraps the strategy's checkpoint IO); the commit
-            happens at the first step boundary after every rank's write finished.
+            happens at the first step boundary after every rank's write finished. With npu_hybrid use
+            ``NPUHybridStrategy(async_save=True)`` instead: its checkpoints are committed as soon as written.
         checksum: record a CRC32 of every file, verified at resume (reads each checkpoint once more).
     """
 
@@ -83,6 +87,7 @@ class DynamicCheckpoint(Checkpoint):
         self._saver = AtomicSaver(checksum=checksum)
         self._last_saved_step = -1
         self.last_checkpoint: Optional[Path] = None
+        self.run_id: Optional[str] = None  # set at setup, or adopted from the checkpoint a run resumes
 
     # ---- schedule -----------------------------------------------------------------------
     def interval_at(self, step: int, total_steps: float) -> int:
@@ -124,9 +129,12 @@ class DynamicCheckpoint(Checkpoint):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
-        self.dirpath = Path(broadcast(trainer, str(self.dirpath)))
+        dirpath, self.run_id = broadcast(trainer, (str(self.dirpath), self.run_id or uuid.uuid4().hex[:12]))
+        self.dirpath = Path(dirpath)
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
+            for stale in _store.clean_stale(self.dirpath):  # left by crashed saves; live ones are kept
+                log.info("DynamicCheckpoint: removed %s, left by an interrupted save.", stale)
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, TrackedAsyncCheckpointIO):
             trainer.strategy.checkpoint_io = TrackedAsyncCheckpointIO(trainer.strategy.checkpoint_io)
 
@@ -155,7 +163,7 @@ class DynamicCheckpoint(Checkpoint):
         self._saver.save(trainer, final, meta)
         self._last_saved_step = step
         self.last_checkpoint = final
-        if not self._saver.has_pending:
+        if self._saver.poll(trainer) or not self._saver.has_pending:
             self._prune(trainer)
         return final
 
@@ -165,17 +173,18 @@ class DynamicCheckpoint(Checkpoint):
             self._prune(trainer)
 
     def _prune(self, trainer: Any) -> None:
-        if not trainer.is_global_zero or self.dirpath is None:
+        """Keep this run's newest `keep_last_k`; other runs' checkpoints in the directory are not ours to delete."""
+        if not trainer.is_global_zero or self.dirpath is None or self.keep_last_k is None:
             return
-        if self.keep_last_k is not None:
-            complete = _store.list_complete(self.dirpath)
-            for info in complete[: max(0, len(complete) - self.keep_last_k)]:
-                _store.delete(info.path)
-        for tmp in _store.stale_temporaries(self.dirpath):
-            _store.remove_path(tmp)  # writes from crashed runs; ours are all committed by now
+        mine = [i for i in _store.list_complete(self.dirpath) if i.meta.get("run") == self.run_id]
+        for info in mine[: max(0, len(mine) - self.keep_last_k)]:
+            _store.delete(info.path)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": str(self.dirpath) if self.dirpath else None, "last_saved_step": self._last_saved_step}
+        return {"dirpath": str(self.dirpath) if self.dirpath else None, "last_saved_step": self._last_saved_step,
+                "run_id": self.run_id}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved_step = int(state_dict.get("last_saved_step", -1))
+        if isinstance(state_dict.get("run_id"), str):
+            self.run_id = state_dict["run_id"]  # a resumed run continues (and prunes) the run it resumes

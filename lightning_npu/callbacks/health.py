@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._validate import check_int
-from lightning_npu.callbacks._stats import grad_stats, grads_of, params_norm_and_delta
+from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,12 @@ class GradientHealthGuard(Callback):
         self._losses.append(loss.detach().float())
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = grads_of(params)
-        if not grads:
+        params = optimizer_params(optimizer)
+        if all(p.grad is None for p in params):  # no backward this step (training_step returned None)
             return
-        stats = grad_stats(grads)
+        stats = gradient_statistics(trainer, pl_module, optimizer)
         have_loss = bool(self._losses)  # manual optimization may step without a loss we saw
-        loss = torch.stack(self._losses).mean().reshape(1).to(stats.device) if have_loss else stats[:1] * 0
+        loss = self._step_loss(trainer, pl_module).reshape(1).to(stats.device) if have_loss else stats[:1] * 0
         self._losses.clear()
         grad_norm, grad_var, loss_value = torch.cat([stats, loss]).tolist()
         if not have_loss:
@@ -176,7 +175,7 @@ class GradientHealthGuard(Callback):
             return
         params, before = self._before
         self._before = None
-        w, d = params_norm_and_delta(params, before)
+        w, d = params_norm_and_delta(pl_module, params, before)
         ratio = d / w if w > 0 else float("inf")
         self._log(pl_module, {"health/update_ratio": ratio})
         off = self.update_ratio_target is not None and not (
@@ -187,6 +186,14 @@ class GradientHealthGuard(Callback):
             self._act(trainer, pl_module, None, [], severity, ["update_ratio"], {"update_ratio": ratio})
         elif severity == ACTIONS["warn"]:
             self._warn(trainer, ["update_ratio"], {"update_ratio": ratio})
+
+    def _step_loss(self, trainer: Any, pl_module: Any) -> torch.Tensor:
+        """The step's training loss averaged over the data-parallel replicas (what `train_loss` logs with
+        sync_dist). Lightning divides each micro-batch's loss by `accumulate_grad_batches` before backward,
+        so under automatic optimization their sum is the mean."""
+        losses = torch.stack(self._losses)
+        loss = losses.sum() if pl_module.automatic_optimization else losses.mean()
+        return trainer.strategy.reduce(loss, reduce_op="mean") if trainer.world_size > 1 else loss
 
     # ---- decisions ----------------------------------------------------------------------
     def _ratio_due(self, trainer: Any) -> bool:
@@ -278,7 +285,7 @@ class GradientHealthGuard(Callback):
         if path is None:
             log.warning("GradientHealthGuard: no complete checkpoint to roll back to; the step is skipped instead.")
         else:
-            checkpoint = trainer.strategy.load_checkpoint(path, weights_only=False)
+            checkpoint = trainer.strategy.load_checkpoint(path, weights_only=True)
             trainer.strategy.load_model_state_dict(checkpoint, strict=True)
             trainer.strategy.load_optimizer_state_dict(checkpoint)
         if self.rollback_lr_factor is not None and self.rollback_lr_factor != 1.0:

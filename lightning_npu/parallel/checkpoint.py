@@ -23,20 +23,27 @@ Loading builds the same keys for the *current* layout and lets DCP read the need
 Names and directory layout match Lightning's `ModelParallelStrategy` (``meta.pt``,
 ``state_dict``, ``optimizer_<i>``).
 
-Atomicity: everything is written to a hidden sibling ``.<name>.tmp-<token>``; rank 0 renames it
-to the final name only after DCP reports every rank's write finished. Overwriting an existing
-checkpoint renames the old one aside first and deletes it after the new one is in place, and a
-loader falls back to that aside copy if a crash struck between the two renames.
+Atomicity: everything is written to a hidden sibling and committed once, by rank 0, after every
+rank's write finished, through `lightning_npu.parallel.commit` (the package's one commit path: the
+old copy is set aside, never deleted, before the rename). An async save is committed by rank 0 as
+soon as DCP reports the write complete, not at the next save.
+
+Trust: ``meta.pt`` is read with ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata``
+through a restricted unpickler (DCP's metadata classes and plain data only), so a planted file
+is refused with an `UnsafeCheckpointError` instead of running code.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
-import uuid
+import sys
+import threading
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +61,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_npu.parallel import commit as _commit
+from lightning_npu.parallel.commit import CommitRequest, new_token, temp_path  # noqa: F401  (public here too)
+
 log = logging.getLogger(__name__)
 
 META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`
@@ -65,6 +75,10 @@ _PathLike = Union[str, Path]
 
 class CheckpointSaveError(RuntimeError):
     """Some rank failed to write its shards; nothing was committed."""
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file needs code or types that safe loading refuses; names the file and what was refused."""
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -171,43 +185,9 @@ def is_sharded_checkpoint(path: _PathLike) -> bool:
     return path.is_dir() and (path / META_FILENAME).is_file()
 
 
-def temp_path(final: _PathLike, token: str) -> Path:
-    final = Path(final)
-    return final.parent / f".{final.name}.tmp-{token}"
-
-
-def _aside_path(final: Path, token: str) -> Path:
-    return final.parent / f".{final.name}.old-{token}"
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex[:12]
-
-
 def resolve_checkpoint_path(path: _PathLike) -> Path:
     """`path`, or the complete copy set aside by an overwrite that crashed before its final rename."""
-    path = Path(path)
-    if path.exists():
-        return path
-    aside = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for candidate in aside:
-        if is_sharded_checkpoint(candidate):
-            log.warning(f"Checkpoint {path} is missing; loading {candidate}, set aside by an interrupted overwrite.")
-            return candidate
-    raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-
-
-def commit(tmp: Path, final: Path, token: str) -> None:
-    """Rank 0, after every rank finished writing `tmp`: make it `final` (the previous one survives a crash)."""
-    aside = None
-    if final.is_symlink() or final.is_file():
-        final.unlink()
-    elif final.exists():
-        aside = _aside_path(final, token)
-        final.rename(aside)
-    tmp.rename(final)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    return _commit.resolve_checkpoint_path(path, is_loadable=lambda p: is_sharded_checkpoint(p) or p.is_file())
 
 
 # ---- writer -----------------------------------------------------------------------------------
@@ -215,13 +195,15 @@ class ShardedCheckpointWriter:
     """Writes DCP checkpoints atomically, synchronously or in a background thread (`async_save=True`).
 
     An async save stages a CPU copy of the shards before returning, so training can go on
-    mutating parameters; it is committed (renamed into place) by `finalize()`, which runs before
-    the next save or load and at teardown.
+    mutating parameters. Rank 0 commits it from DCP's completion callback: DCP resolves rank 0's
+    future only after every rank's shards and the ``.metadata`` are on disk, so the checkpoint is
+    visible as soon as it is complete, needs no collective, and survives a peer that crashes later.
+    `finalize()` (before the next save or load, and at teardown) only waits and reports errors.
     """
 
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = async_save
-        self._pending: Optional[tuple[Future, Path, Path, str, bool]] = None
+        self._pending: Optional[tuple[Future, threading.Event, Path, CommitRequest]] = None
         self._async_group: Optional[Any] = None
 
     @property
@@ -244,12 +226,19 @@ class ShardedCheckpointWriter:
         token: str,
         is_rank0: bool,
         barrier: Any,
+        request: Optional[CommitRequest] = None,
     ) -> None:
-        """Collective. `token` must be the same on every rank (broadcast it); `barrier()` syncs ranks."""
+        """Collective. `token` must be the same on every rank (broadcast it); `barrier()` syncs ranks.
+
+        `request` (e.g. from `DynamicCheckpoint`) adds a completion marker to the commit and is told when
+        the commit happened."""
         self.finalize()
         final = Path(final)
+        request = request if request is not None else CommitRequest()
         tmp = temp_path(final, token)
+        _commit.hold(token)
         if is_rank0:
+            _commit.clean_stale(final.parent, names=[final.name])  # leftovers of crashed saves to this path
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
@@ -257,38 +246,94 @@ class ShardedCheckpointWriter:
         barrier()
         writer = FileSystemWriter(tmp)
         if self.async_save:
-            future = dcp.async_save(_owning_storage(tensors), storage_writer=writer, process_group=self._group())
-            self._pending = (future, tmp, final, token, is_rank0)
+            try:
+                result = dcp.async_save(_owning_storage(tensors), storage_writer=writer, process_group=self._group())
+            except BaseException as err:
+                self._finish(None, err, tmp, final, token, is_rank0, request)
+                raise
+            future = getattr(result, "upload_completion", result)  # AsyncSaveResponse (staging) or a Future
+            finished = threading.Event()
+
+            def on_done(fut: Future) -> None:
+                try:
+                    self._finish(fut, fut.exception(), tmp, final, token, is_rank0, request)
+                finally:
+                    finished.set()
+
+            self._pending = (future, finished, final, request)
+            future.add_done_callback(on_done)
             return
+        error: Optional[BaseException] = None
         try:
             dcp.save(tensors, storage_writer=writer)
         except CheckpointException as err:  # raised on every rank when any rank's write failed
-            if is_rank0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointSaveError(
-                f"Writing the checkpoint {str(final)!r} failed on rank(s) {sorted(err.failures)}: "
-                f"{next(iter(err.failures.values()))[0]!r}. Nothing was committed; a previous checkpoint at that "
-                "path is untouched."
-            ) from err
-        if is_rank0:
-            commit(tmp, final, token)
+            error = err
+        self._finish(None, error, tmp, final, token, is_rank0, request)
+        if request.error is not None:
+            raise request.error
         barrier()
 
+    @staticmethod
+    def _finish(fut: Optional[Future], error: Optional[BaseException], tmp: Path, final: Path, token: str,
+                is_rank0: bool, request: CommitRequest) -> None:
+        """Commit a finished write on rank 0, or remove what a failed one left; tell `request` either way."""
+        try:
+            if error is None and is_rank0:
+                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
+            elif error is not None:
+                if is_rank0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                request.error = _save_error(error, final)
+        except BaseException as err:  # a failing commit (disk full) is the save's error
+            request.error = CheckpointSaveError(f"Committing the checkpoint {str(final)!r} failed: {err!r}. A "
+                                                "previous checkpoint at that path is kept.")
+            request.error.__cause__ = err
+        finally:
+            _commit.release(token)
+            request.done.set()
+
     def finalize(self, barrier: Optional[Any] = None) -> None:
-        """Wait for an async save and commit it. Safe without `barrier` (teardown, after errors)."""
+        """Wait for an async save (rank 0 commits it as soon as it finished) and raise its error, if any.
+        Safe without `barrier` (teardown, after errors)."""
         if self._pending is None:
             return
-        future, tmp, final, token, is_rank0 = self._pending
+        future, finished, final, request = self._pending
         self._pending = None
-        # DCP resolves every rank's future only after the coordinator wrote `.metadata`, i.e. after
-        # all ranks' shards are on disk, so rank 0 may commit without another collective.
-        result = future.result()
-        if hasattr(result, "upload_completion"):  # AsyncSaveResponse (newer torch)
-            result.upload_completion.result()
-        if is_rank0:
-            commit(tmp, final, token)
+        finished.wait()
+        if request.error is not None:
+            raise request.error
         if barrier is not None:
             barrier()
+
+
+def finalize_at_teardown(writer: ShardedCheckpointWriter) -> None:
+    """No collective (teardown also runs after exceptions); a failed async write is logged instead of
+    raised while another error is already on its way up, so the run's first error is the one reported."""
+    in_flight = sys.exc_info()[1] is not None  # Lightning tears down inside its `except` on failures
+    try:
+        writer.finalize()
+    except Exception as err:
+        if not in_flight:
+            raise
+        log.error("%s", err)
+
+
+def _save_error(err: BaseException, final: Path) -> BaseException:
+    if isinstance(err, CheckpointException):
+        failures = err.failures
+        first = next(iter(failures.values())) if failures else err
+        first = first[0] if isinstance(first, tuple) else first
+        out = CheckpointSaveError(
+            f"Writing the checkpoint {str(final)!r} failed on rank(s) {sorted(failures)}: {first!r}. Nothing was "
+            "committed; a previous checkpoint at that path is untouched."
+        )
+    else:
+        out = CheckpointSaveError(
+            f"Writing the checkpoint {str(final)!r} failed: {err!r}. Nothing was committed; a previous checkpoint "
+            "at that path is untouched."
+        )
+    out.__cause__ = err
+    return out
 
 
 def _owning_storage(tree: Any) -> Any:
@@ -305,12 +350,87 @@ def _owning_storage(tree: Any) -> Any:
 
 
 # ---- reader -----------------------------------------------------------------------------------
-def read_meta(path: _PathLike, weights_only: bool = False) -> dict[str, Any]:
-    return torch.load(Path(path) / META_FILENAME, map_location="cpu", weights_only=weights_only)
+def read_meta(path: _PathLike, weights_only: Optional[bool] = True) -> dict[str, Any]:
+    """The checkpoint's non-tensor part. Always read with ``weights_only=True`` (the argument is kept for
+    callers that pass Lightning's value through): a checkpoint must not be able to run code when it is loaded."""
+    return safe_torch_load(Path(path) / META_FILENAME)
+
+
+def safe_torch_load(file: _PathLike) -> Any:
+    """``torch.load(file, weights_only=True)``, with an error that names the file and what was refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(_refusal(file, err)) from None
+
+
+@contextmanager
+def refusing_unsafe(file: _PathLike) -> Iterator[None]:
+    """Turn torch's weights_only refusal (e.g. inside Lightning's checkpoint IO) into `UnsafeCheckpointError`."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(_refusal(file, err)) from None
+
+
+def _refusal(file: _PathLike, err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = next((line for line in lines if "Unsupported global" in line or "Unsupported operand" in line),
+                  lines[-1] if lines else repr(err))
+    return (
+        f"Refused to load {str(file)!r}: it needs more than plain data to load ({detail}). The file may be "
+        "malicious, or written by an incompatible version (of lightning-npu, Lightning or a library whose objects "
+        "were saved into it). Nothing in it was executed. If you trust the file, allow the type with "
+        "`torch.serialization.add_safe_globals([...])` and load again."
+    )
+
+
+# DCP's `.metadata` is a pickle: unpickle only DCP's metadata classes and plain data
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+_SAFE_GLOBALS = {
+    ("builtins", n) for n in ("set", "frozenset", "slice", "complex", "bytearray", "tuple", "list", "dict", "int",
+                               "float", "bool", "str", "bytes", "range")
+} | {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+     ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES:
+            obj = getattr(sys.modules.get(module) or __import__(module, fromlist=[name]), name, None)
+            if isinstance(obj, type) and obj.__module__ == module:  # a metadata dataclass or enum, not a function
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or (module, name) in _SAFE_GLOBALS:
+                return obj
+        elif (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported global: {module}.{name} is not a DCP metadata type or plain data")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """`FileSystemReader` whose ``.metadata`` is unpickled by a restricted unpickler instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as err:
+                raise UnsafeCheckpointError(_refusal(path, err)) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def checkpoint_tensor_metadata(path: _PathLike) -> dict[str, Any]:
-    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def _describe(keys: Iterable[str], limit: int = 12) -> str:
@@ -370,7 +490,7 @@ def load_sharded(
     module: torch.nn.Module,
     optimizers: list[Optimizer],
     strict: bool = True,
-    weights_only: bool = False,
+    weights_only: Optional[bool] = True,
 ) -> dict[str, Any]:
     """Collective: restore `module` (and `optimizers`, if any) from a DCP checkpoint saved under any layout.
 
@@ -379,6 +499,7 @@ def load_sharded(
     path = resolve_checkpoint_path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
+    meta = read_meta(path)  # first: an unsafe file is refused before any state changes
     stored = checkpoint_tensor_metadata(path)
     model_sd = check_model_keys(stored, model_state_dict(module, optimizers), path, strict)
     tensors: dict[str, Any] = {MODEL_KEY: model_sd}
@@ -387,17 +508,18 @@ def load_sharded(
         check_optimizer_keys(stored, osd, i, path)
         tensors[f"optimizer_{i}"] = osd
     templates = {k: dict(v) for k, v in tensors.items()}
-    dcp.load(tensors, storage_reader=FileSystemReader(str(path)))
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
     for i, optimizer in enumerate(optimizers):
         load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"], templates[f"optimizer_{i}"])
     load_model_state(module, templates[MODEL_KEY], tensors[MODEL_KEY], optimizers)
-    return read_meta(path, weights_only=weights_only)
+    return meta
 
 
 # ---- consolidation (offline, one process) ------------------------------------------------------
 def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
     """Full (unsharded) model tensors of a DCP checkpoint, read in this process without a process group."""
     path = resolve_checkpoint_path(path)
+    meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
     stored = checkpoint_tensor_metadata(path)
     prefix = MODEL_KEY + "."
     template = {
@@ -407,8 +529,7 @@ def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[di
     }
     if not template:
         raise CheckpointMismatchError(f"{str(path)!r} holds no model tensors (no '{MODEL_KEY}.*' entries).")
-    dcp.load(template, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
+    dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     # fused projections (q|k|v, gate|up) saved under tp > 1 are stored rank-major: back to the model's layout
     from lightning_npu.parallel.tensor import unfuse_full_tensors
 
@@ -439,7 +560,7 @@ def load_sharded_relayout(
     module: torch.nn.Module,
     optimizers: list[Optimizer],
     strict: bool = True,
-    weights_only: bool = False,
+    weights_only: Optional[bool] = True,
 ) -> dict[str, Any]:
     """Collective: :func:`load_sharded` for a checkpoint whose fused projections are laid out for another tp size.
 
@@ -485,7 +606,7 @@ def load_sharded_relayout(
         check_optimizer_keys(stored, osd, i, path)
         templates[f"optimizer_{i}"] = osd
         tensors[f"optimizer_{i}"] = {k: full_like(f"optimizer_{i}.{k}", v) for k, v in osd.items()}
-    dcp.load(tensors, storage_reader=FileSystemReader(str(path)))
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
     full_model = refuse_fused(unfuse_full_tensors(tensors[MODEL_KEY], saved_fused), current_fused)
     for i, optimizer in enumerate(optimizers):
         osd = tensors[f"optimizer_{i}"]

@@ -17,8 +17,8 @@ rank takes the same skip/step decision (a per-rank decision deadlocks sharded op
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Optional
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,54 +62,79 @@ def _reduced_placements(grad: Tensor) -> Tensor:
     return grad
 
 
-def global_grad_norm(
-    parameters: Iterable[Tensor],
-    pp_group: Optional[dist.ProcessGroup] = None,
-) -> Tensor:
-    """The L2 norm of all gradients of `parameters` over every rank, in fp32, each element counted once.
+def _global_moments(pairs: Iterable[tuple[Tensor, Optional[Tensor]]], pp_group: Optional[dist.ProcessGroup]) -> Tensor:
+    """fp32 ``[sum of squares, sum, element count]`` of the tensors over every rank, each element counted once.
 
-    Every rank of a tensor-parallel / data-parallel (FSDP) group must call this with the same
-    parameters in the same order (as optimizers hold them); a parameter without a gradient counts 0.
+    `pairs` are ``(parameter, tensor)``: the tensor (a gradient or a value, None counts nothing) is sharded
+    like its parameter. Every rank of a tp / FSDP group must pass the same parameters in the same order.
     """
-    # key: None for plain tensors, else (mesh, sharded mesh dims); dict keeps first-seen order on every rank
-    parameters = list(parameters)
+    # key: None for replicated tensors, else (mesh, sharded mesh dims); dicts keep first-seen order on every rank
     buckets: dict[object, list[Tensor]] = {}
     meshes: dict[object, tuple] = {}
     device: Optional[torch.device] = None
-    for p in parameters:
-        g = p.grad
+    for p, t in pairs:
+        key = None
         sharding = sharding_of(p)
         if sharding is not None:
             mesh, placements = sharding
             shard_dims = tuple(i for i, pl in enumerate(placements) if _is_sharded(pl))
-            key = (id(mesh), shard_dims) if shard_dims else None
-            if key is not None:
+            if shard_dims:
+                key = (id(mesh), shard_dims)
                 meshes[key] = (mesh, shard_dims)
-        else:
-            key = None
         bucket = buckets.setdefault(key, [])
-        if g is None:
+        if device is None:
+            device = local_tensor(p).device
+        if t is None:
             continue
-        if _is_dtensor(g):
-            g = _reduced_placements(g).to_local()
-        device = g.device if device is None else device
-        bucket.append(g)
-    if device is None:
-        device = next((local_tensor(p).device for p in parameters), torch.device("cpu"))
-    total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for key, grads in buckets.items():
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            sq = sq + torch.stack([n.to(device) for n in norms]).square().sum()
+        if _is_dtensor(t):
+            t = _reduced_placements(t).to_local()
+        bucket.append(t)
+    device = device or torch.device("cpu")
+    total = torch.zeros(3, dtype=torch.float32, device=device)
+    for key, tensors in buckets.items():
+        part = torch.zeros(3, dtype=torch.float32, device=device)
+        if tensors:
+            norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+            part[0] = torch.stack([n.to(device) for n in norms]).square().sum()
+            part[1] = torch.stack([t.sum(dtype=torch.float32).to(device) for t in tensors]).sum()
+            part[2] = float(sum(t.numel() for t in tensors))
         if key is not None:
             mesh, shard_dims = meshes[key]
             for dim in shard_dims:
-                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
-        total_sq = total_sq + sq
+                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total = total + part
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
-    return total_sq.sqrt()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+    return total
+
+
+def gradient_statistics(parameters: Iterable[Tensor], pp_group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """fp32 ``[global L2 norm, element variance]`` of the gradients of `parameters` over every rank.
+
+    The one definition that clipping, the logged ``grad_norm`` and the health guards read. Every rank of a
+    tensor-parallel / FSDP group must call this with the same parameters in the same order (as optimizers hold
+    them); a parameter without a gradient counts nothing.
+    """
+    sq, total, count = _global_moments(((p, p.grad) for p in parameters), pp_group)
+    count = count.clamp(min=1.0)
+    mean = total / count
+    return torch.stack([sq.sqrt(), sq / count - mean * mean])
+
+
+def global_grad_norm(parameters: Iterable[Tensor], pp_group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    return gradient_statistics(parameters, pp_group)[0]
+
+
+def global_norm(parameters: Sequence[Tensor], values: Sequence[Tensor], pp_group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """fp32 global L2 norm of `values`, each sharded like the matching parameter (e.g. weights or updates)."""
+    return _global_moments(zip(parameters, values), pp_group)[0].sqrt()
+
+
+def pipeline_group(mesh: Optional[Any]) -> Optional[dist.ProcessGroup]:
+    """The ``pp`` process group of a device mesh that has one of size > 1 (stages hold disjoint parameters)."""
+    if mesh is None or "pp" not in (getattr(mesh, "mesh_dim_names", None) or ()) or mesh["pp"].size() == 1:
+        return None
+    return mesh["pp"].get_group()
 
 
 def clip_grads_by_total_norm_(parameters: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:

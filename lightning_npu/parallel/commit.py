@@ -1,0 +1,416 @@
+"""The one commit path for every checkpoint the package writes (sync or async, file or DCP directory).
+
+A save writes into a hidden sibling ``.tmp-<name>-<token>``; once every rank's write is complete,
+rank 0 calls :func:`commit`, once:
+
+1. an existing ``<name>`` is renamed aside to ``.old-<name>-<token>`` (then its marker, if any);
+2. the temporary is renamed to ``<name>`` (the commit point);
+3. the completion marker ``<name>.complete`` is written, atomically (callbacks ask for one);
+4. the aside copy is deleted (and the leftovers of earlier crashed saves of that name).
+
+Nothing is deleted before the new data is in place, so a crash at any point leaves the last good
+checkpoint loadable: discovery (:func:`list_complete`) and :func:`resolve_checkpoint_path` fall back
+to the aside copy. A marker records every file's size (optionally a CRC32), so truncation after the
+fact is caught before a resume trusts the data; markers carry a ``run`` id so that pruning never
+touches another run's checkpoints. Leftovers of crashed saves are removed by :func:`clean_stale`,
+which spares the tokens of saves still in flight in this process (:func:`hold`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+log = logging.getLogger(__name__)
+
+MARKER_SUFFIX = ".complete"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+PathLike = Union[str, Path]
+
+_TOKEN = r"\d+-[0-9a-f]{8}"
+_TEMP_NAME = re.compile(rf"^\.(tmp|old)-(.+)-({_TOKEN})$")
+# names of earlier versions: the strategy's ``.<name>.tmp-<hex12>`` / ``.<name>.old-<hex12>`` (nested in ``.tmp-``)
+_LEGACY_NAME = re.compile(r"^\.(.+)\.(tmp|old)-([0-9a-f]{12})$")
+
+
+class CheckpointCorruptedError(RuntimeError):
+    """A checkpoint exists but cannot be trusted; the message names the file and why."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    meta: dict[str, Any]
+
+
+@dataclass
+class CommitRequest:
+    """What a caller of ``trainer.save_checkpoint(path, storage_options=CommitRequest(...))`` wants committed
+    with the data (a marker), and where it learns that the commit happened (``done``, then ``committed`` on
+    rank 0, or ``error``). Strategies that commit their own writes (npu_hybrid) accept it."""
+
+    marker: Optional[dict[str, Any]] = None
+    checksum: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    committed: Optional[Path] = None
+    error: Optional[BaseException] = None
+
+
+# ---- names and tokens -----------------------------------------------------------------------
+def new_token() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def temp_path(final: PathLike, token: str) -> Path:
+    final = Path(final)
+    return final.with_name(f"{TMP_PREFIX}{final.name}-{token}")
+
+
+def aside_path(final: PathLike, token: str) -> Path:
+    final = Path(final)
+    return final.with_name(f"{OLD_PREFIX}{final.name}-{token}")
+
+
+def marker_path(path: PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + MARKER_SUFFIX)
+
+
+def _parse(name: str) -> Optional[tuple[str, str, str]]:
+    """(kind "tmp"|"old", final name, token) of a temporary or aside name, else None."""
+    m = _TEMP_NAME.match(name)
+    if m:
+        return m.group(1), m.group(2), m.group(3)
+    m = _LEGACY_NAME.match(name)
+    if m:
+        return m.group(2), m.group(1), m.group(3)
+    return None
+
+
+_live: set[str] = set()
+_live_lock = threading.Lock()
+
+
+def hold(token: str) -> None:
+    """Mark a save in flight: :func:`clean_stale` leaves its temporary and aside copies alone."""
+    with _live_lock:
+        _live.add(token)
+
+
+def release(token: str) -> None:
+    with _live_lock:
+        _live.discard(token)
+
+
+def _is_live(token: str) -> bool:
+    with _live_lock:
+        return token in _live
+
+
+# ---- filesystem helpers ---------------------------------------------------------------------
+def remove_path(path: PathLike) -> None:
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _move(src: Path, dst: Path) -> None:
+    """Every rename of the commit goes through here (one place for fault-injection tests)."""
+    os.replace(src, dst)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = temp_path(path, new_token())
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _files(path: Path) -> Iterable[tuple[str, Path]]:
+    if path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            yield str(f.relative_to(path)), f
+    elif path.is_file():
+        yield "", path
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def manifest(path: PathLike, checksum: bool = False) -> dict[str, dict[str, Any]]:
+    out = {}
+    for rel, f in _files(Path(path)):
+        entry: dict[str, Any] = {"size": f.stat().st_size}
+        if checksum:
+            entry["crc32"] = _crc32(f)
+        out[rel] = entry
+    return out
+
+
+# ---- the commit -----------------------------------------------------------------------------
+def commit(tmp: PathLike, final: PathLike, token: str, marker: Optional[dict[str, Any]] = None,
+           checksum: bool = False) -> Path:
+    """Rank 0, after every rank finished writing `tmp`: make it `final`, atomically (see the module doc).
+
+    With `marker`, ``<final>.complete`` records it plus the files' sizes (and CRC32s with `checksum`).
+    """
+    tmp, final = Path(tmp), Path(final)
+    if not _exists(tmp):
+        raise FileNotFoundError(f"checkpoint write left nothing at {tmp}; the strategy's save_checkpoint wrote elsewhere.")
+    aside = aside_path(final, token)
+    old_marker = marker_path(final)
+    # data first, then its marker: between the two, the marker still vouches for the aside copy (same files)
+    if _exists(final):
+        _move(final, aside)
+    if _exists(old_marker):
+        _move(old_marker, marker_path(aside))
+    _move(tmp, final)
+    _fsync_dir(final.parent)
+    if marker is not None:
+        _write_json_atomic(old_marker, {**marker, "files": manifest(final, checksum), "checksum": checksum,
+                                        "time": time.time()})
+        _fsync_dir(final.parent)
+    remove_path(aside)
+    marker_path(aside).unlink(missing_ok=True)
+    clean_stale(final.parent, names=[final.name])  # older crashed saves of this name are obsolete now
+    return final
+
+
+def delete(path: PathLike) -> None:
+    """Unmark first, then delete: a crash half way leaves an incomplete checkpoint, never a trusted broken one.
+
+    An aside copy (what discovery lists for an interrupted overwrite) takes its checkpoint's marker along."""
+    path = Path(path)
+    parsed = _parse(path.name)
+    if parsed is not None and parsed[0] == "old" and not _exists(path.with_name(parsed[1])):
+        marker_path(path.with_name(parsed[1])).unlink(missing_ok=True)
+    marker_path(path).unlink(missing_ok=True)
+    remove_path(path)
+
+
+def clean_stale(dirpath: PathLike, names: Optional[Iterable[str]] = None) -> list[Path]:
+    """Remove temporaries and aside copies of saves that crashed (rank 0), except those of live saves.
+
+    An aside copy is removed only when its checkpoint exists again and is at least as trusted (marked, or
+    neither is); otherwise it is the last good copy and stays where discovery finds it. `names` limits the
+    cleanup to those checkpoint names.
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return []
+    only = set(names) if names is not None else None
+    removed = []
+    for entry in list(dirpath.iterdir()):
+        name = entry.name[: -len(MARKER_SUFFIX)] if entry.name.endswith(MARKER_SUFFIX) else entry.name
+        parsed = _parse(name)
+        if parsed is None or entry.name.endswith(MARKER_SUFFIX):
+            continue
+        kind, final_name, token = parsed
+        if (only is not None and final_name not in only) or _is_live(token):
+            continue
+        if kind == "old":
+            final = dirpath / final_name
+            aside_marked = marker_path(entry).exists()
+            final_ok = _exists(final) and (
+                _read_marker_quiet(final) is not None or not (aside_marked or marker_path(final).exists())
+            )
+            if not final_ok:
+                continue
+            marker_path(entry).unlink(missing_ok=True)
+        remove_path(entry)
+        removed.append(entry)
+    return removed
+
+
+# ---- markers and discovery ------------------------------------------------------------------
+def _warn(message: str) -> None:
+    try:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(message)
+    except ImportError:  # pragma: no cover
+        warnings.warn(message)
+
+
+def _check_marker(data: Any) -> Optional[str]:
+    """Why a parsed marker is malformed, or None."""
+    if not isinstance(data, dict):
+        return f"it holds a {type(data).__name__}, not a JSON object"
+    step = data.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"its 'step' is {step!r}, not an integer"
+    files = data.get("files", {})
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("size"), int) for v in files.values()
+    ):
+        return "its 'files' manifest is malformed"
+    return None
+
+
+def _load_marker(marker: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    try:
+        with open(marker) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as err:
+        return None, f"it is unreadable ({err.__class__.__name__}: {err})"
+    problem = _check_marker(data)
+    return (None, problem) if problem else (data, None)
+
+
+def _read_marker_quiet(path: PathLike) -> Optional[dict[str, Any]]:
+    return _load_marker(marker_path(path))[0]
+
+
+def read_marker(path: PathLike) -> Optional[dict[str, Any]]:
+    """The marker of checkpoint `path`, or None (missing; malformed ones are reported with a warning)."""
+    data, problem = _load_marker(marker_path(path))
+    if problem:
+        _warn(f"Ignoring the checkpoint marker {marker_path(path)}: {problem}.")
+    return data
+
+
+def verify(path: PathLike, meta: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Raise `CheckpointCorruptedError` naming the file unless the checkpoint matches its marker (or `meta`)."""
+    path = Path(path)
+    if meta is None:
+        meta, problem = _load_marker(marker_path(path))
+        if meta is None:
+            why = problem or "is missing (the write was interrupted)"
+            raise CheckpointCorruptedError(
+                f"checkpoint {path} is incomplete: its completion marker {marker_path(path)} "
+                f"{'is malformed: ' + why if problem else why}. Resume from an earlier checkpoint."
+            )
+    for rel, expected in meta.get("files", {}).items():
+        f = path / rel if rel else path
+        if not f.is_file():
+            raise CheckpointCorruptedError(f"checkpoint file {f} is missing (listed in {marker_path(path)}).")
+        size = f.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointCorruptedError(
+                f"checkpoint file {f} is truncated or corrupted: {size} bytes on disk, {expected['size']} when written."
+            )
+        if "crc32" in expected and _crc32(f) != expected["crc32"]:
+            raise CheckpointCorruptedError(f"checkpoint file {f} is corrupted: its CRC32 differs from when it was written.")
+    return meta
+
+
+def _asides(final: Path) -> list[Path]:
+    """Aside copies of `final` left by overwrites that crashed, newest first."""
+    found = []
+    if not final.parent.is_dir():
+        return found
+    for p in final.parent.iterdir():
+        parsed = _parse(p.name)
+        if parsed and parsed[0] == "old" and parsed[1] == final.name and _exists(p):
+            found.append(p)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def list_complete(dirpath: PathLike, exclude: Iterable[PathLike] = ()) -> list[CheckpointInfo]:
+    """Checkpoints in `dirpath` that have a well-formed marker, oldest first (not yet verified).
+
+    A checkpoint caught between the renames of an overwrite is listed under its aside copy's path.
+    Malformed or stray markers are skipped with a warning.
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return []
+    skip = {Path(p).resolve() for p in exclude}
+    found: dict[Path, CheckpointInfo] = {}
+    aside_markers = []
+    for entry in dirpath.iterdir():
+        if not entry.name.endswith(MARKER_SUFFIX) or entry.name.startswith(TMP_PREFIX):
+            continue
+        name = entry.name[: -len(MARKER_SUFFIX)]
+        if not name:
+            _warn(f"Ignoring the stray checkpoint marker {entry}: it names no checkpoint.")
+            continue
+        parsed = _parse(name)
+        if parsed is not None:
+            if parsed[0] == "old":
+                aside_markers.append((dirpath / parsed[1], dirpath / name))
+            continue
+        path = dirpath / name
+        meta = read_marker(path)
+        if meta is None:
+            continue
+        if not _exists(path):
+            asides = _asides(path)
+            if not asides:
+                _warn(f"Ignoring the stray checkpoint marker {entry}: {path} does not exist.")
+                continue
+            path = asides[0]  # crashed between "data aside" and "marker aside": the marker vouches for it
+        found[dirpath / name] = CheckpointInfo(path, int(meta["step"]), meta)
+    for final, aside in aside_markers:
+        if final in found and found[final].path == final or not _exists(aside):
+            continue  # the overwrite completed (the aside copy is a leftover) or nothing to load
+        meta = read_marker(aside)
+        if meta is not None:
+            found[final] = CheckpointInfo(aside, int(meta["step"]), meta)
+    infos = [i for i in found.values() if i.path.resolve() not in skip]
+    return sorted(infos, key=lambda c: (c.step, c.meta.get("time", 0.0)))
+
+
+def latest_complete(dirpath: PathLike, exclude: Iterable[PathLike] = (), warn: Any = None) -> Optional[Path]:
+    """The newest checkpoint that passes `verify`; broken ones are reported through `warn` and skipped."""
+    for info in reversed(list_complete(dirpath, exclude)):
+        try:
+            verify(info.path, info.meta)
+            return info.path
+        except CheckpointCorruptedError as err:
+            if warn is not None:
+                warn(f"{err} Falling back to an earlier checkpoint.")
+    return None
+
+
+def resolve_checkpoint_path(path: PathLike, is_loadable: Any = None) -> Path:
+    """`path`, or the complete copy set aside by an overwrite that crashed before its final rename."""
+    path = Path(path)
+    if path.exists():
+        return path
+    for candidate in _asides(path):
+        if is_loadable is None or is_loadable(candidate):
+            log.warning(f"Checkpoint {path} is missing; loading {candidate}, set aside by an interrupted overwrite.")
+            return candidate
+    raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
