@@ -63,6 +63,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         static_graph: bool = False,
         async_save: bool = False,
     ) -> None:
+        ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save)
         self.parallel_config = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
