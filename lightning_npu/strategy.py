@@ -14,7 +14,8 @@ import functools
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Literal, Optional, Union
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -25,14 +26,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_npu import device as dev
-from lightning_npu._sharded_strategy import ShardedStrategyMixin
+from lightning_npu.parallel import checkpoint as ckpt
 from lightning_npu.parallel.config import ParallelConfig
+from lightning_npu.parallel.full_state import load_full_state_dict
 from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
+from lightning_npu.parallel.tensor import is_tensor_parallel, shard_optimizer_state_dict
 
 
-class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
+class NPUHybridStrategy(DDPStrategy):
     """Hybrid tensor/pipeline/data parallelism on one device mesh, on NPU, CUDA or CPU.
 
     See ARCHITECTURE.md for the meaning of each argument. Arguments are validated here, and the
@@ -40,6 +43,8 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
     """
 
     strategy_name = "npu_hybrid"
+    # `trainer.save_checkpoint(path, storage_options=CommitRequest(...))`: the commit (and marker) is ours
+    accepts_commit_request = True
 
     def __init__(
         self,
@@ -90,7 +95,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         )
         self._device_mesh: Optional[DeviceMesh] = None
         self.fusion_report: Any = None
-        # checkpoints: write DCP shards in a background thread, committed before the next save/load and at teardown
+        # checkpoints: write DCP shards in a background thread; rank 0 commits each as soon as every rank wrote it
         self.async_save = async_save
         # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
         self.tp_report: Any = None
@@ -99,6 +104,8 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         self._pipeline: Any = None
         # the layout's gradient synchronisation (lightning_npu.parallel.grad_sync), made by `parallelize`
         self._grad_sync: GradientSync = GradientSync()
+        self._ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
+        self._restored_from_file = False
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -186,10 +193,6 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             )
         return self.tp_report
 
-    def _uses_distributed_optimizer(self) -> bool:
-        cfg = self.parallel_config
-        return cfg.zero_stage == 1 and cfg.resolved_dp > 1
-
     def _distributed_optimizers(self) -> list[Any]:
         from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
 
@@ -197,11 +200,6 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
 
     def _tp_active(self) -> bool:
         return self.tp_report is not None and self.tp_report.applied
-
-    def _tp_localized(self) -> bool:
-        """TP with plain local shards (zero 0/1; DDP or the ZeRO-1 optimizer reduce them over dp). A single-file
-        checkpoint's full tensors are sliced for them on load; under ZeRO 2/3 the parameters are 2-D DTensors."""
-        return self._tp_active() and not self._is_fully_sharded()
 
     def _loss_context(self) -> Any:
         if self._tp_active() and self.tp_report.vocab_parallel_head:
@@ -260,37 +258,9 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    # checkpoints are DCP directories in every layout (ShardedStrategyMixin); single-file (Lightning) checkpoints
-    # still load: they hold full, original-layout tensors, sliced here for the tp shards
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if not self._restored_from_file or not self._tp_localized():
-            super().load_model_state_dict(checkpoint, strict=strict)
-        else:
-            from lightning_npu.parallel.tensor import load_full_state_dict
-
-            load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
-        if self._restored_from_file:
-            for opt in self._distributed_optimizers():
-                opt.refresh_masters_from_parameters()
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if not self._restored_from_file or not self._tp_localized():
-            return super().load_optimizer_state_dict(checkpoint)
-        from lightning_npu.parallel.tensor import shard_optimizer_state_dict
-
-        def holder(opt: Any) -> Any:  # what the full state is indexed by: the model's parameters
-            opt = _unwrap(opt)
-            return SimpleNamespace(param_groups=[{"params": opt.model_params}]) if hasattr(opt, "model_params") else opt
-
-        states = checkpoint["optimizer_states"]
-        checkpoint = {**checkpoint, "optimizer_states": [
-            shard_optimizer_state_dict(holder(opt), s) for opt, s in zip(self.optimizers, states)
-        ]}
-        super().load_optimizer_state_dict(checkpoint)
-
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        if self._uses_distributed_optimizer():
+        if self.parallel_config.uses_distributed_optimizer:
             self._shard_optimizer_states()
             self._grad_sync.bind(self._distributed_optimizers())
 
@@ -370,33 +340,86 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 module.log(name, loss, prog_bar=True, sync_dist=True)
         return {"loss": loss} if kind == "train" else loss
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        module = self.lightning_module
-        if self._pipeline is None or module is None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        # each stage restores only its own keys: the other stages' keys in the checkpoint are not "unexpected";
-        # keys of this stage missing from the checkpoint are still an error under strict loading
-        from lightning_npu.parallel import checkpoint as ckpt
+    # ---- checkpoints (mechanics in lightning_npu.parallel.checkpoint) ----------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded state loads into the wrapped/sharded model and the already created (ZeRO) optimizers
+        return True
 
-        strict = module.strict_loading
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        # DCP checkpoints restore optimizers in `load_checkpoint`; single files through Lightning
+        return self._restored_from_file
+
+    def _masters_as_parameters(self) -> Any:
+        """bf16/16-true: the fp32 master weights stand in for the 16-bit parameters, so that DCP's FQN-keyed state
+        dicts see the tensors the optimizer steps (`HybridPrecision.masters_as_parameters`)."""
+        swap = getattr(self.precision_plugin, "masters_as_parameters", None)
+        return swap(self.lightning_module) if swap is not None else nullcontext()
+
+    def _writer(self) -> ckpt.ShardedCheckpointWriter:
+        if self._ckpt_writer is None:
+            self._ckpt_writer = ckpt.ShardedCheckpointWriter(async_save=self.async_save)
+        return self._ckpt_writer
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._masters_as_parameters():
+            return ckpt.model_state_dict(self.lightning_module, [_unwrap(o) for o in self.optimizers])
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        with self._masters_as_parameters():
+            return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        request = ckpt.commit_request(storage_options, type(self).__name__)
+        path = Path(self.broadcast(str(filepath)))
+        token = self.broadcast(ckpt.new_token())
+        tensors, meta = ckpt.split_checkpoint(checkpoint, self.precision_plugin)
+        meta["lightning_npu"] = ckpt.layout_metadata(self.parallel_config, self.world_size, self.lightning_module)
+        self._writer().save(tensors, meta, path, token, self.is_global_zero, self.barrier, request)
+
+    def finalize_checkpoints(self) -> None:
+        """Wait for an async save in flight (rank 0 commits it as soon as written); raise its error. Collective."""
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.finalize(self.barrier)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory saved under any layout loads here in full; a single Lightning file is read here and
+        its full tensors are sharded by `load_model_state_dict`. Every file is read with ``weights_only=True``."""
+        self.finalize_checkpoints()
         path = ckpt.resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
-        if strict and ckpt.is_sharded_checkpoint(path):
-            stored = ckpt.checkpoint_tensor_metadata(path)
-            ckpt.check_model_keys(
-                {k: v for k, v in stored.items() if k.startswith(ckpt.MODEL_KEY + ".")},
-                ckpt.model_state_dict(module), path, strict=False,
-            )
-            missing = [k for k in ckpt.model_state_dict(module) if f"{ckpt.MODEL_KEY}.{k}" not in stored]
-            if missing:
-                raise ckpt.CheckpointMismatchError(
-                    f"The checkpoint {str(path)!r} lacks this pipeline stage's keys {missing[:8]}; load it into the "
-                    "model it was saved from, or set `LightningModule.strict_loading = False`."
-                )
-        module.strict_loading = False
-        try:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        finally:
-            module.strict_loading = strict
+        self._restored_from_file = path.is_file()
+        module = self.lightning_module
+        if self._restored_from_file:
+            ckpt.check_single_file_resume(path, module, resuming=bool(self.optimizers))
+            with ckpt.refusing_unsafe(path):
+                return super().load_checkpoint(path, weights_only=True)
+        with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
+            return ckpt.load_directory(path, module, [_unwrap(o) for o in self.optimizers], module.strict_loading,
+                                       pipelined=self._pipeline is not None)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._restored_from_file:  # (a directory was loaded whole by `load_checkpoint`)
+            load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._restored_from_file:
+            return
+        if is_tensor_parallel(self.lightning_module):  # full optimizer tensors -> this rank's tp shards
+            def holder(opt: Any) -> Any:  # what the full state is indexed by: the model's parameters
+                opt = _unwrap(opt)
+                return SimpleNamespace(param_groups=[{"params": opt.model_params}]) if hasattr(opt, "model_params") \
+                    else opt
+
+            checkpoint = {**checkpoint, "optimizer_states": [
+                shard_optimizer_state_dict(holder(opt), s) for opt, s in zip(self.optimizers, checkpoint["optimizer_states"])
+            ]}
+        super().load_optimizer_state_dict(checkpoint)
+
+    def teardown(self) -> None:
+        if self._ckpt_writer is not None:
+            ckpt.finalize_at_teardown(self._ckpt_writer)
+        super().teardown()
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -614,3 +614,82 @@ def load_sharded_relayout(
         load_optimizer_state(module, optimizer, shard_like(osd, templates[f"optimizer_{i}"]), templates[f"optimizer_{i}"])
     load_model_state(module, model_sd, shard_like(full_model, model_sd), optimizers)
     return meta
+
+
+# ---- the strategy's checkpoint mechanics (its hooks only route here) ---------------------------------
+def layout_metadata(cfg: Any, world_size: int, module: torch.nn.Module) -> dict[str, Any]:
+    """The layout a checkpoint was saved under (``meta["lightning_npu"]``): what a reshard on load reads."""
+    return {
+        "format": FORMAT_VERSION,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        "data_parallel_size": cfg.resolved_dp,
+        "zero_stage": cfg.zero_stage,
+        "world_size": world_size,
+        # ZeRO 2/3 x TP: fused projections stored rank-major for this tp size (FQN -> (dim, parts, tp))
+        "fused": dict(getattr(module, "_lnpu_fused", None) or {}),
+    }
+
+
+def commit_request(storage_options: Any, strategy_name: str) -> Optional[CommitRequest]:
+    """`trainer.save_checkpoint(path, storage_options=CommitRequest(...))`: the callbacks' commit (and marker)."""
+    if storage_options is None or isinstance(storage_options, CommitRequest):
+        return storage_options
+    raise TypeError(
+        f"`{strategy_name}.save_checkpoint(..., storage_options=...)` is not supported: sharded checkpoints are "
+        "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
+    )
+
+
+def split_checkpoint(checkpoint: dict[str, Any], precision_plugin: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint dict -> (DCP tensors: model and optimizer states, rank 0's ``meta.pt`` rest)."""
+    meta = dict(checkpoint)
+    tensors = {MODEL_KEY: meta.pop("state_dict")}
+    precision_key = type(precision_plugin).__qualname__
+    if isinstance(meta.get(precision_key), dict) and hasattr(precision_plugin, "masters_as_parameters"):
+        # the fp32 master weights are the model tensors above (sharded, reshardable): not again, as rank 0's
+        # unsharded copies, in meta.pt
+        meta[precision_key] = {k: v for k, v in meta[precision_key].items() if k != "master_weights"}
+    for i, state in enumerate(meta.pop("optimizer_states", [])):
+        tensors[f"optimizer_{i}"] = state
+    return tensors, meta
+
+
+def check_stage_keys(path: _PathLike, module: torch.nn.Module) -> None:
+    """Strict loading of one pipeline stage: its keys must all be stored (the other stages' keys are expected)."""
+    stored = checkpoint_tensor_metadata(path)
+    own = model_state_dict(module)
+    check_model_keys({k: v for k, v in stored.items() if k.startswith(MODEL_KEY + ".")}, own, path, strict=False)
+    missing = [k for k in own if f"{MODEL_KEY}.{k}" not in stored]
+    if missing:
+        raise CheckpointMismatchError(
+            f"The checkpoint {str(path)!r} lacks this pipeline stage's keys {missing[:8]}; load it into the "
+            "model it was saved from, or set `LightningModule.strict_loading = False`."
+        )
+
+
+def check_single_file_resume(path: _PathLike, module: torch.nn.Module, resuming: bool) -> None:
+    from lightning_npu.parallel.data import is_fully_sharded
+
+    if resuming and is_fully_sharded(module):
+        raise NotImplementedError(
+            f"{str(path)!r} is a single-file checkpoint; resuming one under zero_stage 2 or 3 is not supported. "
+            "Resume it with zero_stage 0 or 1 and save again (a sharded directory), which then loads under any stage."
+        )
+
+
+def load_directory(path: _PathLike, module: torch.nn.Module, optimizers: list[Optimizer], strict: bool,
+                   pipelined: bool = False) -> dict:
+    """Load a sharded checkpoint saved under any layout into this one; returns Lightning's checkpoint dict.
+
+    `pipelined`: `module` holds one pipeline stage, which restores only its own keys (the other stages' are
+    not "unexpected"; its own missing ones still are, under `strict`).
+    """
+    if pipelined:
+        if strict:
+            check_stage_keys(path, module)
+        strict = False
+    load = load_sharded
+    if is_sharded_checkpoint(path) and fused_layout_changes(read_meta(path), module):
+        load = load_sharded_relayout  # fused projections saved under another tp size: full-tensor reload
+    return load(path, module, optimizers, strict=strict)

@@ -210,5 +210,10 @@ class ParallelConfig:
         return self.resolved_dp
 
     @property
+    def uses_distributed_optimizer(self) -> bool:
+        """ZeRO-1 over more than one dp rank (at dp = 1 there is nothing to shard)."""
+        return self.zero_stage == 1 and self.dp > 1
+
+    @property
     def mesh_shape(self) -> tuple[int, int, int]:
         return (self.pipeline_parallel_size, self.dp, self.tensor_parallel_size)

@@ -134,7 +134,7 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
             model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
         return model, gs.FullyShardedGradientSync(model if pipeline is None else None)
-    if cfg.zero_stage == 1 and cfg.resolved_dp > 1:
+    if cfg.uses_distributed_optimizer:
         # the DistributedOptimizer's buckets reduce-scatter the gradients (bound in setup_optimizers)
         if pipeline is None:
             data_parallel.broadcast_module_states(model, mesh)  # start from dp-rank 0's weights, as DDP would

@@ -68,7 +68,6 @@ __all__ = [
     "PipelineLayout",
     "PipelinePlan",
     "PipelineRunner",
-    "all_reduce_gradients",
     "balance_blocks",
     "plan_pipeline",
 ]
@@ -377,30 +376,6 @@ class StageModule(nn.Module):
         for module in self.head:
             x = module(x)
         return x
-
-
-def all_reduce_gradients(params: Sequence[torch.Tensor], group: Any, bucket_bytes: int = 25 * 2**20) -> None:
-    """Average the gradients of `params` over `group` (coalesced per dtype, in buckets)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    world = dist.get_world_size(group)
-    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for i, g in enumerate(grads):
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes or i == len(grads) - 1:
-                flat = torch._utils._flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=group)
-                flat.div_(world)
-                for g_, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                    g_.copy_(synced)
-                bucket, size = [], 0
 
 
 @functools.cache
