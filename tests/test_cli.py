@@ -122,6 +122,21 @@ def test_latest_checkpoint_is_the_newest_complete_one_of_either_callback(tmp_pat
     assert cli.find_latest_checkpoint(trainer)[0] == str(dyn)
 
 
+def test_latest_checkpoint_of_a_model_checkpoint_without_dirpath_searches_every_logger_version(tmp_path):
+    # Lightning's default ModelCheckpoint folder is <save_dir>/<name>/<version>/checkpoints, and a new run gets a
+    # new version: the checkpoint to resume is in an earlier one
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    old = tmp_path / "logs" / "version_0" / "checkpoints"
+    old.mkdir(parents=True)
+    (old / "epoch=0-step=3.ckpt").write_bytes(b"x")
+    trainer = Trainer(default_root_dir=tmp_path, logger=CSVLogger(tmp_path, name="logs"), accelerator="cpu",
+                      devices=1, callbacks=[ModelCheckpoint()])
+    assert cli.find_latest_checkpoint(trainer) == (str(old / "epoch=0-step=3.ckpt"), [old])
+
+
 def test_ckpt_path_latest_starts_fresh_then_resumes(tmp_path):
     base = [
         "fit",
