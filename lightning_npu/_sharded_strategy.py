@@ -1,4 +1,4 @@
-"""ZeRO 2/3 and sharded-checkpoint hooks of `NPUHybridStrategy` (Lightning glue).
+"""Sharded-checkpoint hooks of `NPUHybridStrategy` (Lightning glue).
 
 A mixin that sits between `NPUHybridStrategy` and Lightning's `DDPStrategy` in the MRO, so the
 strategy's own overrides (e.g. tensor parallelism's) can wrap these with ``super()``. The parallel
@@ -11,11 +11,10 @@ Lightning single-file checkpoint (zero 0/1 only).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 from lightning_npu.parallel import checkpoint as ckpt
@@ -35,33 +34,11 @@ class ShardedStrategyMixin:
     _ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
     _restored_from_file: bool = False
 
-    # ---- ZeRO 2/3 (FSDP2) -------------------------------------------------------------------
-    def _fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        # bf16 compute: gather bf16 copies of the fp32 master shards; gradients reduce in fp32
-        param_dtype = data_parallel.fsdp_param_dtype(self.precision_plugin)
-        data_parallel.fully_shard_data_parallel(model, self.device_mesh, self.parallel_config.zero_stage, param_dtype)
-        # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
-        model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
-        return model
-
+    # ---- checkpoints --------------------------------------------------------------------------
     def _is_fully_sharded(self) -> bool:
         module = self.lightning_module
         return module is not None and data_parallel.is_fully_sharded(module)
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator:
-        """Accumulating micro-steps: no gradient communication (DDP `no_sync`, FSDP2 `requires_gradient_sync`)."""
-        if self._is_fully_sharded():
-            data_parallel.set_gradient_sync(self.lightning_module, False)
-            try:
-                yield None
-            finally:
-                data_parallel.set_gradient_sync(self.lightning_module, True)
-        else:
-            with super().block_backward_sync():
-                yield None
-
-    # ---- checkpoints --------------------------------------------------------------------------
     def _writer(self) -> ckpt.ShardedCheckpointWriter:
         if self._ckpt_writer is None:
             self._ckpt_writer = ckpt.ShardedCheckpointWriter(async_save=self.async_save)

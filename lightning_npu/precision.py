@@ -268,24 +268,6 @@ class FP32FunctionMode(TorchFunctionMode):
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def _fp32_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]  (DDP checks real annotations)
-    """DDP comm hook for half-precision parameters: reduce each bucket in fp32, store it back."""
-    import torch.distributed as dist
-
-    buf = bucket.buffer()
-    reduced = buf.to(torch.float32).div_(dist.get_world_size(group))
-    fut = dist.all_reduce(reduced, group=group, async_op=True).get_future()
-
-    def done(f: torch.futures.Future) -> Tensor:
-        buf.copy_(f.value()[0])
-        return buf
-
-    return fut.then(done)
-
-
-_fp32_allreduce_hook.__annotations__ = {}  # `from __future__ import annotations` strings fail DDP's hook check
-
-
 def _unwrap_module(model: nn.Module) -> nn.Module:
     import lightning.pytorch as pl
 
@@ -338,7 +320,8 @@ class HybridPrecision(Precision):
         master_weights: keep fp32 master copies of 16-bit parameters for the optimizer (default: on
             for ``*-true``; irrelevant for the other modes, whose parameters are fp32).
         fp32_functions: intercept functional softmax/norm/loss calls in the forward (see module docs).
-        fp32_reduce: for 16-bit parameters under DDP, all-reduce gradient buckets in fp32.
+        fp32_reduce: reduce the gradients of 16-bit parameters over dp in fp32 (the strategy's gradient
+            sync reads it; every other reduction is fp32 anyway).
     """
 
     def __init__(
@@ -471,8 +454,6 @@ class HybridPrecision(Precision):
         if self.master_weights:
             for i, opt in enumerate(optimizers):
                 optimizers[i] = self._install_master_weights(opt, lr_schedulers)
-        if self.fp32_reduce and self._half_dtype is not None:
-            self._register_fp32_reduce(model)
         if self.scaler is not None:
             for config in lr_schedulers:
                 if getattr(config, "interval", "step") == "step" and not getattr(config, "reduce_on_plateau", False):
@@ -506,15 +487,6 @@ class HybridPrecision(Precision):
         self._masters[id(raw)] = pairs
         self._master_order.append(id(raw))
         return optimizer
-
-    def _register_fp32_reduce(self, model: nn.Module) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel) or getattr(model, "_comm_hooks", None):
-            return
-        if not any(p.dtype in _HALF for p in model.parameters()):
-            return
-        model.register_comm_hook(model.process_group, _fp32_allreduce_hook)
 
     # ---- backward and step --------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]

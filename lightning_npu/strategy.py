@@ -2,9 +2,9 @@
 
 The strategy keeps to Lightning's hooks and delegates every parallel decision to
 `lightning_npu.parallel`: layout validation (`config`), the ``("pp", "dp", "tp")`` device
-mesh (`mesh`), data parallelism and optimizer sharding (`data`). It subclasses Lightning's
-DDPStrategy so that launchers (popen/spawn/fork, torchrun, SLURM), collectives, gradient
-accumulation's `no_sync` and checkpoint IO are Lightning's own.
+mesh (`mesh`), and the one ordered application of the layout (`parallelize`, whose docstring
+follows a training step from batch to checkpoint). It subclasses Lightning's DDPStrategy so that
+launchers (popen/spawn/fork, torchrun, SLURM), collectives and checkpoint IO are Lightning's own.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu._sharded_strategy import ShardedStrategyMixin
-from lightning_npu.parallel import data as data_parallel
 from lightning_npu.parallel.config import ParallelConfig
+from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
+from lightning_npu.parallel.parallelize import apply_pp, parallelize
 
 
 class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
@@ -97,6 +97,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         static_graph: bool = False,
         async_save: bool = False,
     ) -> None:
+        ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save)
         self.parallel_config = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -130,7 +131,8 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         # lightning_npu.parallel.pipeline.PipelinePlan / PipelineRunner once the model is known (pp > 1)
         self.pipeline_plan: Any = None
         self._pipeline: Any = None
-        self._pp_sync_grads = True
+        # the layout's gradient synchronisation (lightning_npu.parallel.grad_sync), made by `parallelize`
+        self._grad_sync: GradientSync = GradientSync()
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -185,45 +187,22 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         self._precision_plugin = as_hybrid_precision(plugin, device)
 
     # ---- model and optimizers -----------------------------------------------------------
-    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        if self.parallel_config.fuse_ops:
-            from lightning_npu.ops import rewrite_modules
-
-            self.fusion_report = rewrite_modules(model, device=self.root_device)
-        zero23 = self.parallel_config.zero_stage in (2, 3)
-        if zero23 and self.parallel_config.pipeline_parallel_size == 1:
-            # tp first, parameters kept as DTensors on mesh["tp"]; FSDP2 over mesh["dp"] then makes them 2-D
-            # (dp, tp) DTensors, as torchtitan composes them. No DDP wrapper.
-            self._apply_tensor_parallel(model, localize=False)
-            return self._fully_shard(model)  # (ShardedStrategyMixin)
-        sharded = self._apply_tensor_parallel(model, localize=not zero23)
-        if self.parallel_config.pipeline_parallel_size > 1:
-            # no DDP wrapper: the pipeline schedule runs forward and backward (DDP's forward never runs), and
-            # `backward` averages the stage's gradients over mesh["dp"] itself; under ZeRO 2/3 FSDP2 on each stage
-            # module (after the split, before any PipelineStage: torchtitan's order) reduce-scatters them instead
-            self._setup_pipeline(model)
-            if zero23:
-                self._pipeline.fully_shard(self.device_mesh["dp"], self.parallel_config.zero_stage,
-                                           data_parallel.fsdp_param_dtype(self.precision_plugin))
-            return model
-        if self._uses_distributed_optimizer():
-            # ZeRO-1: no DDP wrapper, the DistributedOptimizer reduce-scatters the gradients itself (set up with
-            # the optimizers); start from dp-rank 0's weights as DDP would
-            data_parallel.broadcast_module_states(model, self.device_mesh)
-            model._ddp_params_and_buffers_to_ignore = sharded
-            return model
-        wrapped = data_parallel.wrap_data_parallel(
-            model,
-            self.device_mesh,
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        cfg = self.parallel_config
+        result = parallelize(
+            model, self.device_mesh, cfg,
+            tp_plan=self._plan_tensor_parallel() if cfg.tensor_parallel_size > 1 else None,
+            pipeline_plan=self._plan_pipeline(),
+            precision=self.precision_plugin,
+            device=self.root_device,
             device_ids=self.determine_ddp_device_ids(),
-            bucket_size_mb=self.parallel_config.bucket_size_mb,
             ddp_kwargs=self._ddp_kwargs,
+            pipeline=self._pipeline if self._pipeline is not None and self._pipeline.module is model else None,
         )
-        if sharded:
-            # DDP has taken every parameter; from now on Lightning's whole-world state broadcast (before
-            # validate/test) must skip the tp shards, which differ between tp ranks by design.
-            model._ddp_params_and_buffers_to_ignore = sharded
-        return wrapped
+        self.fusion_report = result.fusion_report
+        self._pipeline = result.pipeline
+        self._grad_sync = result.grad_sync
+        return result.model
 
     # ---- tensor parallelism (lightning_npu.parallel.tensor) ------------------------------
     def _plan_tensor_parallel(self) -> Any:
@@ -240,29 +219,6 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 module, cfg.tensor_parallel_size, cfg.tp_plan, sequence_parallel=cfg.sequence_parallel
             )
         return self.tp_report
-
-    def _apply_tensor_parallel(self, model: torch.nn.Module, localize: bool = True) -> list[str]:
-        """Shard `model` over mesh["tp"] and localize its DTensor parameters for DDP; returns their names.
-
-        ``localize=False`` (ZeRO 2/3) keeps DTensor parameters for FSDP2 and records the fused projections'
-        layout as ``model._lnpu_fused`` (FQN -> (dim, parts, tp)) for full-tensor state dicts.
-        """
-        from lightning_npu.parallel import tensor as tp
-
-        model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
-        plan = self._plan_tensor_parallel()
-        if plan is None or not plan.styles:
-            return []
-        # gradient_clip_val (norm) is fine here: HybridPrecision clips by `parallel.grad_norm.global_grad_norm`,
-        # which all-reduces the squared norms of tp shards (params tagged `_lnpu_tp`, or DTensors) over their
-        # sharded mesh dims and counts replicated params (norms, wpe) once
-        if not plan.applied:
-            tp.apply_tensor_parallel(model, self.device_mesh["tp"], plan)
-            fused = tp.fused_parameters(model)  # before localizing/FSDP2: read from the DTensor parameters
-            if localize:
-                tp.localize_parameters(model)
-            model._lnpu_fused = fused
-        return [n for n, p in model.named_parameters() if getattr(p, "_lnpu_tp", None) is not None]
 
     def _uses_distributed_optimizer(self) -> bool:
         cfg = self.parallel_config
@@ -312,37 +268,28 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         with self._loss_context():
             return super().predict_step(*args, **kwargs)
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._pipeline is not None:
-            # the pipeline schedule already ran every micro-batch's backward inside `training_step` (its gradients
-            # held aside because Lightning zeroes gradients between training_step and backward): no second
-            # backward, the held gradients are accumulated here and averaged over dp at the last accumulation
-            # micro-step. Lightning's on_before/after_backward hooks still run (the base Precision's methods only
-            # call them: the loss scale was applied inside the schedule's loss)
-            module = self.lightning_module
-            closure_loss = Precision.pre_backward(self.precision_plugin, closure_loss, module)
-            if self._pipeline.apply_gradients() and self._pp_sync_grads:
-                zero1 = self._distributed_optimizers()
-                if zero1:
-                    for opt in zero1:
-                        opt.finish_gradient_sync()
-                else:
-                    from lightning_npu.parallel.pipeline import all_reduce_gradients
+    @contextmanager
+    def block_backward_sync(self) -> Any:
+        """Accumulating micro-steps: no gradient communication (`GradientSync.no_sync`)."""
+        with self._grad_sync.no_sync():
+            yield None
 
-                    all_reduce_gradients(self._pipeline.stage_parameters(), self.device_mesh["dp"].get_group(),
-                                         int(self.parallel_config.bucket_size_mb * 2**20))
-            return Precision.post_backward(self.precision_plugin, closure_loss, module)
-        # Lightning's Strategy.backward, with the vocab-parallel cross-entropy's backward under loss_parallel and
-        # ZeRO-1's wait for the reduce-scatters backward launched before `on_after_backward` (which then sees the
-        # reduced gradient slices on the optimizer's parameters)
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's `Strategy.backward`, then the layout's gradient sync (`on_after_backward` sees reduced
+        gradients). Under pp the schedule already ran backward inside `training_step`, with the loss scale and
+        1/accumulate in each micro-batch's loss; here its held gradients are added to ``.grad`` and Lightning's
+        backward hooks still run."""
         module = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self._loss_context():
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        for opt in self._distributed_optimizers():
-            if opt.sync_enabled:  # not on accumulating micro-steps
-                opt.finish_gradient_sync()
+        if self._pipeline is None:
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            with self._loss_context():
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        else:
+            closure_loss = Precision.pre_backward(self.precision_plugin, closure_loss, module)
+            self._pipeline.apply_gradients()
+        if self._grad_sync.enabled:  # not on accumulating micro-steps
+            self._grad_sync.finish()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -379,6 +326,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
         super().setup_optimizers(trainer)
         if self._uses_distributed_optimizer():
             self._shard_optimizer_states()
+            self._grad_sync.bind(self._distributed_optimizers())
 
     def _shard_optimizer_states(self) -> None:
         """ZeRO-1: each optimizer becomes a `DistributedOptimizer` over its dp slices (same class and groups)."""
@@ -419,46 +367,13 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
             self.pipeline_plan = plan_pipeline(module, cfg.pipeline_parallel_size, cfg.pipeline_schedule)
         return self.pipeline_plan
 
-    def _setup_pipeline(self, model: torch.nn.Module) -> None:
-        """Keep only this rank's stages of `model` (in place) and build their schedules."""
-        if self._pipeline is not None and self._pipeline.module is model:
-            return
-        from lightning_npu.parallel.pipeline import PipelineRunner
-
-        plan = self._plan_pipeline()
-        cfg = self.parallel_config
-        self._pipeline = PipelineRunner(
-            model, plan, self.device_mesh["pp"], self.root_device, cfg.pipeline_schedule,
-            cfg.micro_batches or cfg.pipeline_parallel_size,
-        )
-        # Lightning broadcasts rank 0's parameters before validate/test: pipeline stages hold different modules
-        model._ddp_params_and_buffers_to_ignore = [n for n, _ in model.named_parameters()] + [
-            n for n, _ in model.named_buffers()]
-
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if self.parallel_config.pipeline_parallel_size > 1:
-            self._setup_pipeline(self.lightning_module)  # validate/test/predict without fit: split here
-
-    @contextmanager
-    def block_backward_sync(self) -> Any:
-        if self._pipeline is None:
-            zero1 = self._distributed_optimizers()
-            for opt in zero1:  # accumulating micro-step: the gradient hooks launch nothing
-                opt.sync_enabled = False
-            try:
-                with super().block_backward_sync():
-                    yield None
-            finally:
-                for opt in zero1:
-                    opt.sync_enabled = True
-            return
-        # gradient accumulation: no dp all-reduce of the stage gradients until the last micro-step
-        self._pp_sync_grads = False
-        try:
-            yield None
-        finally:
-            self._pp_sync_grads = True
+        cfg = self.parallel_config
+        module = self.lightning_module
+        if cfg.pipeline_parallel_size > 1 and (self._pipeline is None or self._pipeline.module is not module):
+            # validate/test/predict without fit: split here (no gradients to synchronise)
+            self._pipeline = apply_pp(module, self.device_mesh, cfg, self._plan_pipeline(), self.root_device)
 
     def _pipeline_step(self, kind: str, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
         runner, module, plugin = self._pipeline, self.lightning_module, self.precision_plugin
@@ -479,7 +394,7 @@ class NPUHybridStrategy(ShardedStrategyMixin, DDPStrategy):
                 # the loss scale (HybridPrecision) and Lightning's 1/accumulate_grad_batches go into each
                 # micro-batch's loss, so the gradients come out as a non-pipelined backward would leave them
                 factor = float(getattr(plugin, "loss_scale", 1.0)) / max(1, trainer.accumulate_grad_batches)
-                loss = runner.train_step(batch, factor, sync_grads=self._pp_sync_grads)
+                loss = runner.train_step(batch, factor, sync_grads=self._grad_sync.enabled)
         hook = getattr(module, "on_pipeline_loss", None)
         if callable(hook):
             hook(kind, loss, batch, batch_idx)

@@ -113,7 +113,6 @@ def test_actions_are_always_logged_and_counted_in_the_summary(tmp_path, caplog):
         (dict(grad_norm_range=5), "grad_norm_range=5"),
         (dict(rollback_lr_factor=2.0), "rollback_lr_factor=2.0"),
         (dict(escalate_after=0), "escalate_after=0"),
-        (dict(max_warnings=-1), "max_warnings=-1"),
     ],
 )
 def test_bad_arguments_name_argument_and_value(kwargs, needle):

@@ -71,3 +71,28 @@ trainer:
     assert health.grad_norm_range == (0.0001, 100.0) and health.severity["nonfinite"] == 3
     assert guard.max_restarts == 5
     assert [s.name for s in pre.signals] == ["SIGUSR1"]
+
+
+def test_prometheus_binds_loopback_and_reports_hybrid_precision_loss_scale(tmp_path):
+    """Default host is 127.0.0.1 (the endpoint is unauthenticated); the loss_scale gauge reads HybridPrecision's
+    scaler, which has no `get_scale()` (the gauge stayed empty before)."""
+    pytest.importorskip("prometheus_client")
+    import lightning_npu  # noqa: F401  (registers npu_hybrid)
+    from lightning_npu import HybridPrecision
+
+    port = free_port()
+    seen = {}
+
+    class Scrape(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            seen["text"] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            seen["bound"] = metrics._server.server_address[0]
+
+    metrics = PrometheusMetrics(port=port)
+    assert metrics.host == "127.0.0.1"
+    assert PrometheusMetrics(port=port, addr="0.0.0.0").host == "0.0.0.0"  # the former name still works
+    trainer = L.Trainer(callbacks=[metrics, Scrape()], strategy="npu_hybrid",
+                        plugins=[HybridPrecision("bf16-mixed", loss_scale=512.0)], **trainer_kwargs(tmp_path, 2))
+    trainer.fit(StepSeeded())
+    assert seen["bound"] == "127.0.0.1"
+    assert 'lightning_npu_loss_scale{rank="0"} 512.0' in seen["text"], seen["text"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,38 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "eager fallbacks" in out.stdout
+
+
+def test_extension_cache_refuses_a_directory_others_can_write(tmp_path, monkeypatch):
+    """A cache dir that is group/world-writable or owned by another user is refused before anything is loaded."""
+    monkeypatch.setattr(extension, "_state", {})
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o777)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(shared))
+    monkeypatch.delenv(extension.DISABLE_ENV, raising=False)
+    with pytest.raises(extension.UnsafeCacheError, match=rf"{shared}.*writable.*chmod go-w"):
+        extension.load()
+    with pytest.raises(extension.UnsafeCacheError):  # refused every time, never cached as "no extension"
+        extension.available()
+    shared.chmod(0o770)  # group-writable is refused too
+    with pytest.raises(extension.UnsafeCacheError, match="writable by its group"):
+        extension.load()
+    # owned by someone else: as root, give it away; otherwise any root-owned directory will do
+    if os.geteuid() == 0:
+        shared.chmod(0o755)
+        os.chown(shared, 65534, 65534)
+        other = shared
+    else:
+        other = Path("/")
+    with pytest.raises(extension.UnsafeCacheError, match=rf"{other} is owned by uid \d+, not by this user"):
+        extension.check_private_dir(other)
+    # a private directory (created 0700 when missing) passes; its world-writable parent needs the sticky bit
+    private = tmp_path / "private" / "ops"
+    extension._private_cache(private)
+    assert (private.stat().st_mode & 0o777) == 0o700
+    (tmp_path / "private").chmod(0o777)
+    with pytest.raises(extension.UnsafeCacheError, match="parent .* without the sticky bit"):
+        extension.check_private_dir(private)
+    (tmp_path / "private").chmod(0o1777)
+    extension.check_private_dir(private)

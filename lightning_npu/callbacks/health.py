@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
+from lightning_npu.callbacks._validate import check_int
 from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,10 @@ class GradientHealthGuard(Callback):
             raise ValueError(f"GradientHealthGuard(update_ratio_every={update_ratio_every!r}): a positive number of steps.")
         if not isinstance(loss_spike_warmup, int) or loss_spike_warmup < 0:
             raise ValueError(f"GradientHealthGuard(loss_spike_warmup={loss_spike_warmup!r}): a number of steps >= 0.")
-        if escalate_after is not None and (not isinstance(escalate_after, int) or escalate_after < 1):
-            raise ValueError(f"GradientHealthGuard(escalate_after={escalate_after!r}): a positive number of steps, or None.")
+        check_int("GradientHealthGuard", "escalate_after", escalate_after, 1, 3, allow_none=True)
         if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
             raise ValueError(f"GradientHealthGuard(max_rollbacks={max_rollbacks!r}): must be an integer >= 0.")
+        check_int("GradientHealthGuard", "max_warnings", max_warnings, 0, 3)
         if rollback_lr_factor is not None and not 0.0 < rollback_lr_factor <= 1.0:
             raise ValueError(f"GradientHealthGuard(rollback_lr_factor={rollback_lr_factor!r}): must be in (0, 1], or None.")
         self.loss_spike_factor = loss_spike_factor
@@ -134,8 +135,6 @@ class GradientHealthGuard(Callback):
         self.max_rollbacks = max_rollbacks
         self.rollback_lr_factor = rollback_lr_factor
         self.checkpoint_dir = checkpoint_dir
-        if not isinstance(max_warnings, int) or max_warnings < 0:
-            raise ValueError(f"GradientHealthGuard(max_warnings={max_warnings!r}): a number of warnings per check >= 0.")
         self.max_warnings = max_warnings
         # state (saved in checkpoints so that a resumed run judges spikes the same way)
         self.loss_ema: Optional[float] = None

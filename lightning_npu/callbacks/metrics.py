@@ -3,6 +3,8 @@
 Off unless added to the callbacks, and `prometheus_client` is imported only then, so it stays an
 optional dependency. Each exporting rank serves its own registry on ``port + local_rank`` (rank 0
 only by default): a scrape never waits on training, it reads the last values set at a step end.
+The endpoint binds the loopback interface unless told otherwise: it is unauthenticated, and on a
+shared cluster node anyone who can reach the port could read it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,26 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_npu import device as dev
+from lightning_npu.callbacks._validate import check_bool
 
 _HINT = "PrometheusMetrics needs `prometheus_client`: `pip install prometheus_client` (or lightning-npu[metrics])."
+
+
+def _loss_scale(plugin: Any) -> Optional[float]:
+    """The current loss scale, or None when the precision plugin does not scale the loss.
+
+    Lightning's 16-mixed plugin holds a `torch.amp.GradScaler` (``get_scale()``); HybridPrecision holds a
+    `DynamicLossScaler` whose scale is the plain attribute ``scale`` (also ``plugin.loss_scale``).
+    """
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None:
+        return None
+    if callable(getattr(scaler, "get_scale", None)):
+        return float(scaler.get_scale())
+    for value in (getattr(scaler, "scale", None), getattr(plugin, "loss_scale", None)):
+        if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 class PrometheusMetrics(Callback):
@@ -23,24 +43,32 @@ class PrometheusMetrics(Callback):
 
     Args:
         port: TCP port of the HTTP endpoint (rank r serves ``port + local_rank`` when ``all_ranks``).
-        addr: address to bind.
+        host: address to bind; ``"127.0.0.1"`` (this machine only) by default. Pass ``"0.0.0.0"`` to let a
+            scraper on another machine reach it, on a network you trust (the endpoint has no authentication).
         all_ranks: export from every rank instead of global rank 0 only.
         loss_key / grad_norm_key / tokens_per_s_key: names in ``trainer.callback_metrics`` to read;
             the loss falls back to the training step's output, tokens/s to batch size x step rate.
+        addr: former name of ``host``, still accepted.
     """
 
     def __init__(
         self,
         port: int,
-        addr: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         all_ranks: bool = False,
         loss_key: str = "train_loss",
         grad_norm_key: str = "health/grad_norm",
         tokens_per_s_key: str = "tokens_per_s",
+        addr: Optional[str] = None,
     ) -> None:
-        if not isinstance(port, int) or not 0 < port < 65536:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"PrometheusMetrics(port={port!r}): give a TCP port in 1..65535, e.g. 9400.")
-        self.port, self.addr, self.all_ranks = port, addr, all_ranks
+        if addr is not None:
+            host = addr
+        if not isinstance(host, str) or not host:
+            raise TypeError(f"PrometheusMetrics(host={host!r}): give an address to bind as a string, e.g. '127.0.0.1'.")
+        check_bool("PrometheusMetrics", "all_ranks", all_ranks)
+        self.port, self.host, self.all_ranks = port, host, all_ranks
         self.loss_key, self.grad_norm_key, self.tokens_per_s_key = loss_key, grad_norm_key, tokens_per_s_key
         self.bound_port: Optional[int] = None
         self._server: Any = None
@@ -69,7 +97,7 @@ class PrometheusMetrics(Callback):
             "lightning_npu_device_memory_bytes", "device allocator numbers", ["rank", "kind"], registry=registry
         )
         self.bound_port = self.port + (trainer.local_rank if self.all_ranks else 0)
-        self._server, _ = prom.start_http_server(self.bound_port, addr=self.addr, registry=registry)
+        self._server, _ = prom.start_http_server(self.bound_port, addr=self.host, registry=registry)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -84,9 +112,7 @@ class PrometheusMetrics(Callback):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self._set("loss", rank, loss)
         self._set("grad_norm", rank, metrics.get(self.grad_norm_key))
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and hasattr(scaler, "get_scale"):
-            self._set("loss_scale", rank, scaler.get_scale())
+        self._set("loss_scale", rank, _loss_scale(trainer.precision_plugin))
         tps = metrics.get(self.tokens_per_s_key)
         if tps is None and elapsed:
             first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch

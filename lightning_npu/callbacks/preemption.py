@@ -3,8 +3,15 @@
 Schedulers and spot instances announce preemption with a signal and a grace period. A signal
 handler must not touch collectives (Lightning 2.6's own SIGTERM handler broadcasts from inside the
 handler, which deadlocks when only some ranks are signalled), so the handler only sets a flag; at
-the next step boundary the flag is all-reduced, every rank saves the same checkpoint through the
-atomic path, and training stops normally, so the process exits 0 once the script returns.
+the next step (or validation batch) boundary the flag is all-reduced, every rank saves the same
+checkpoint through the atomic path, and training stops normally, so the process exits 0 once the
+script returns.
+
+Handlers installed before this callback's (Lightning's SLURM ``SIGUSR1`` auto-requeue, a user's own)
+are chained, not replaced: they run after the checkpoint is committed, at that same agreed step
+boundary, on every rank, so that e.g. the SLURM job is still requeued. Lightning's own SIGTERM
+notifier is the one exception: it broadcasts from inside the signal handler and makes the loop raise
+instead of saving, which is what this callback replaces.
 """
 
 from __future__ import annotations
@@ -13,38 +20,87 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
 from lightning_npu.callbacks import _store
-from lightning_npu.callbacks._dist import agree_flag, broadcast, find_callback
+from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._saver import AtomicSaver
+from lightning_npu.callbacks._validate import check_path
 
 log = logging.getLogger(__name__)
 
 
+# cannot be caught (KILL, STOP), or report a fault in the running code: a handler that only sets a flag
+# and returns would re-run the faulting instruction forever
+_REFUSED = {"SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS"}
+
+
 def _signal(name: Any) -> signal.Signals:
-    if isinstance(name, signal.Signals):
-        return name
     try:
-        return signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
-    except (KeyError, ValueError):
-        raise ValueError(f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal name; use e.g. 'SIGTERM', 'SIGUSR1'.")
+        if isinstance(name, bool):
+            raise TypeError
+        if isinstance(name, signal.Signals):
+            sig = name
+        else:
+            sig = signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
+    except (KeyError, ValueError, TypeError):
+        raise ValueError(
+            f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal; use names such as 'SIGTERM', 'SIGUSR1'."
+        ) from None
+    if sig.name in _REFUSED:
+        raise ValueError(
+            f"PreemptionCheckpoint(signals=[..., {name!r}]): {sig.name} cannot announce a preemption (it cannot be "
+            "caught, or it reports a crash in the running code); use the scheduler's notice signal, e.g. 'SIGTERM' "
+            "or 'SIGUSR1'."
+        )
+    return sig
+
+
+def _chainable(handler: Any) -> list[Any]:
+    """The callables a previous handler stands for, minus Lightning's SIGTERM notifier (see the module doc)."""
+    if handler in (None, signal.SIG_DFL, signal.SIG_IGN) or not callable(handler):
+        return []
+    inner = getattr(handler, "signal_handlers", None)  # Lightning's _HandlersCompose
+    if isinstance(inner, list):
+        return [h for sub in inner for h in _chainable(signal.getsignal(sub) if isinstance(sub, int) else sub)]
+    name = getattr(getattr(handler, "__func__", None), "__qualname__", "")
+    if name in ("_SignalConnector._sigterm_notifier_fn", "_SignalConnector._sigterm_handler_fn"):
+        return []
+    return [handler]
 
 
 class PreemptionCheckpoint(Callback):
     """Save on every rank at the next step boundary after a preemption signal, then stop.
 
+    Grace period: the scheduler kills the job a fixed time after its notice (SLURM: ``--signal=USR1@SECONDS``
+    before the time limit, and ``KillWait``, 30 s by default, after SIGTERM; Kubernetes:
+    ``terminationGracePeriodSeconds``, 30 s by default; spot VMs: about 30 s to 2 min). The checkpoint is
+    written at the first training *or validation* batch end after the signal, so the grace period must
+    cover one training step or one validation batch plus one checkpoint write; measure the save time
+    (``benchmarks/callbacks.py``) and ask the scheduler for that with a margin. A validation that is
+    running goes on after the save and training stops when it ends; if the scheduler kills the process
+    first, nothing is lost.
+
     Args:
-        signals: signals that announce preemption.
+        signals: the signal, or signals, that announce preemption: names (``"SIGTERM"``), numbers or
+            `signal.Signals`. Uncatchable and crash signals (SIGKILL, SIGSTOP, SIGSEGV, ...) are refused.
         dirpath: where to save when there is no `DynamicCheckpoint` (whose directory is used otherwise).
     """
 
-    def __init__(self, signals: Sequence[Any] = ("SIGTERM", "SIGUSR1"), dirpath: Optional[str] = None) -> None:
-        self.signals = [_signal(s) for s in signals]
+    def __init__(self, signals: Any = ("SIGTERM", "SIGUSR1"), dirpath: Optional[str] = None) -> None:
+        if isinstance(signals, (str, int, signal.Signals)):
+            signals = (signals,)  # one signal, not the letters of its name
+        if not isinstance(signals, (list, tuple, set, frozenset)):
+            raise TypeError(
+                f"PreemptionCheckpoint(signals={signals!r}): give a signal or a list of signals, "
+                "e.g. ('SIGTERM', 'SIGUSR1')."
+            )
+        self.signals = list(dict.fromkeys(_signal(s) for s in signals))
         if not self.signals:
             raise ValueError("PreemptionCheckpoint(signals=[]): give at least one signal, e.g. ('SIGTERM',).")
+        dirpath = check_path("PreemptionCheckpoint", "dirpath", dirpath)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.received: Optional[int] = None
         self.saved_path: Optional[Path] = None
@@ -75,13 +131,37 @@ class PreemptionCheckpoint(Callback):
                 signal.signal(sig, handler)
         self._previous.clear()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.saved_path is None and agree_flag(trainer, self.received is not None):
+    def _check(self, trainer: Any) -> None:
+        if self.saved_path is not None:
+            return
+        signum = int(agree_max(trainer, [float(self.received or 0)])[0])  # every rank learns which signal came
+        if signum:
             self._save_and_stop(trainer)
+            self._chain(signum)
+
+    def _chain(self, signum: int) -> None:
+        """Run the handlers this callback displaced, now that the checkpoint is committed (see the module doc)."""
+        for handler in _chainable(self._previous.get(signal.Signals(signum))):
+            if handler == self._handler:
+                continue
+            try:
+                handler(signum, None)
+            except Exception as err:  # noqa: BLE001 - a failing handler must not cost the committed checkpoint
+                log.warning("PreemptionCheckpoint: the previous handler of signal %d failed: %r", signum, err)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._check(trainer)
+
+    def on_validation_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        # a long validation must not outlast the grace period; only inside fit, where the handlers are installed
+        # (every rank runs as many validation batches: Lightning's distributed sampler pads the last one)
+        if self._previous and not trainer.sanity_checking:
+            self._check(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.saved_path is None and agree_flag(trainer, self.received is not None):
-            self._save_and_stop(trainer)
+        self._check(trainer)
         self._restore()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

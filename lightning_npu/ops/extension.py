@@ -6,6 +6,11 @@ binary matches the running ABI. The build is keyed by source hash, flags and SIM
 cache shared between heterogeneous machines never serves a binary built for another CPU. If
 there is no compiler (or the build fails) callers get ``None`` after a one-line warning and
 use the eager fallbacks.
+
+The cache holds shared libraries that this process loads and runs, so a cache directory that
+someone else can write to is a way to run their code in every training job: a directory
+(``TORCH_EXTENSIONS_DIR`` or the default under ``~/.cache``) owned by another user, or writable
+by the group or by everyone, is refused with `UnsafeCacheError` instead of being used.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import threading
 import warnings
 from pathlib import Path
@@ -44,6 +50,54 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+class UnsafeCacheError(PermissionError):
+    """The extension cache directory could be written by someone else; its binaries are not loaded."""
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse `path` unless it is a directory of this user that neither the group nor others can write.
+
+    Its parents must not be world-writable either (anyone could swap the directory for their own), unless
+    they have the sticky bit, like ``/tmp``, which lets only an entry's owner rename it.
+    """
+    uid = os.geteuid()
+    fix_env = "point TORCH_EXTENSIONS_DIR at a private directory (e.g. ~/.cache/lightning_npu/ops)"
+    current = path.resolve()
+    for i, d in enumerate([current, *current.parents]):
+        try:
+            st = d.stat()
+        except OSError as err:
+            raise UnsafeCacheError(f"C++ extension cache {path}: cannot check {d} ({err}); {fix_env}.") from err
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if i == 0:
+            if not stat.S_ISDIR(st.st_mode):
+                raise UnsafeCacheError(f"C++ extension cache {d} is not a directory; {fix_env}.")
+            if st.st_uid != uid:
+                raise UnsafeCacheError(
+                    f"C++ extension cache {d} is owned by uid {st.st_uid}, not by this user (uid {uid}): its "
+                    f"binaries could be anyone's code. Use a directory you own: {fix_env}."
+                )
+            if writable:
+                raise UnsafeCacheError(
+                    f"C++ extension cache {d} is writable by its group or by everyone "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}): anyone could plant a binary there. "
+                    f"Run `chmod go-w {d}`, or {fix_env}."
+                )
+        elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeCacheError(
+                f"C++ extension cache {path}: its parent {d} is writable by everyone without the sticky bit (mode "
+                f"{stat.S_IMODE(st.st_mode):o}), so anyone could replace the cache; {fix_env}."
+            )
+
+
+def _private_cache(path: Path) -> Path:
+    """Create `path` (mode 0700) if missing, then `check_private_dir` it."""
+    if not path.exists():
+        path.mkdir(parents=True, mode=0o700, exist_ok=True)
+    check_private_dir(path)
+    return path
+
+
 def _simd_flags() -> tuple[str, list[str]]:
     """Compile for the SIMD level ATen itself dispatches to on this CPU (not blindly -march=native)."""
     try:
@@ -60,6 +114,7 @@ def _simd_flags() -> tuple[str, list[str]]:
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
+    cache = _private_cache(cache_dir())  # first: an unsafe cache is refused even where nothing can be built
     src = csrc_dir()
     if src is None:
         raise RuntimeError("csrc/ not found next to the package (set LIGHTNING_NPU_CSRC)")
@@ -74,8 +129,7 @@ def _build() -> ModuleType:
     digest.update(" ".join(cflags).encode())
     digest.update(torch.__version__.encode())
     name = f"lightning_npu_ops_{simd}_{digest.hexdigest()[:10]}"
-    build_dir = cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = _private_cache(cache / name)
     return cpp_extension.load(
         name=name,
         sources=[str(src / s) for s in SOURCES],
@@ -98,6 +152,8 @@ def load() -> Optional[ModuleType]:
         else:
             try:
                 module = _build()
+            except UnsafeCacheError:
+                raise  # not a missing compiler: the user must fix the directory, a silent fallback would hide it
             except Exception as err:  # compiler missing, headers missing, build error
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 _state["error"] = first

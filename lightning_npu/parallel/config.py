@@ -6,6 +6,7 @@ a hang; found here it costs a traceback that names the argument, the value and t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -15,6 +16,9 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
 TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "qkv", "gate_up", "sequence", "replicate")
 HIERARCHICAL = ("auto", True, False)
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# torch.distributed's own backends plus the device plugins' (hccl comes with torch_npu, imported lazily)
+KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl", "cncl", "mccl")
 
 
 class ParallelConfigError(ValueError):
@@ -23,6 +27,32 @@ class ParallelConfigError(ValueError):
 
 class NotImplementedYetError(NotImplementedError):
     """A contract argument whose feature has not landed yet (never silently ignored)."""
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ParallelConfigError(f"`{name}={value!r}` must be True or False.")
+
+
+def _check_backend(value: Any) -> None:
+    """A backend name, or Lightning's per-device form ``"cpu:gloo,cuda:nccl"``; typos fail here, not at init."""
+    if value is None:
+        return
+    fix = "use a backend name such as 'hccl', 'nccl' or 'gloo', or None to pick it from the device."
+    if not isinstance(value, str) or not value:
+        raise ParallelConfigError(f"`process_group_backend={value!r}` must be a string: {fix}")
+    try:
+        import torch.distributed as dist
+
+        registered = {str(b).lower() for b in getattr(dist.Backend, "backend_list", ())}
+    except Exception:  # pragma: no cover - torch built without distributed
+        registered = set()
+    for part in value.split(","):
+        name = part.split(":")[-1].strip().lower()
+        if name not in KNOWN_BACKENDS and name not in registered:
+            raise ParallelConfigError(
+                f"`process_group_backend={value!r}`: {name!r} is not a process group backend; {fix}"
+            )
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -60,7 +90,7 @@ class ParallelConfig:
         _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.data_parallel_size != "auto":
             _positive_int("data_parallel_size", self.data_parallel_size)
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+        if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
             raise ParallelConfigError(
                 f"`zero_stage={self.zero_stage!r}` is not a ZeRO stage; use 0 (replicate), 1 (shard optimizer "
                 "state), 2 (+ gradients) or 3 (+ parameters)."
@@ -90,8 +120,8 @@ class ParallelConfig:
                         f"`tp_plan[{pattern!r}]={style!r}` is not a known style; use one of {list(TP_STYLES)} "
                         "or a torch.distributed.tensor.parallel.ParallelStyle object."
                     )
-        if not isinstance(self.sequence_parallel, bool):
-            raise ParallelConfigError(f"`sequence_parallel={self.sequence_parallel!r}` must be True or False.")
+        _flag("sequence_parallel", self.sequence_parallel)
+        _flag("fuse_ops", self.fuse_ops)
         if self.sequence_parallel and (self.tensor_parallel_size == 1 or self.tp_plan is None):
             raise ParallelConfigError(
                 "`sequence_parallel=True` shards activations over the tensor-parallel group: it needs "
@@ -108,24 +138,38 @@ class ParallelConfig:
                 f"`gradient_compression={self.gradient_compression!r}` is unknown; choose one of "
                 f"{list(GRADIENT_COMPRESSIONS)}."
             )
-        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or (
-            self.bucket_size_mb <= 0
+        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (
+            math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0
         ):
-            raise ParallelConfigError(f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive number of MiB.")
+            raise ParallelConfigError(
+                f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive, finite number of MiB, e.g. 25.0."
+            )
         if self.hierarchical_allreduce not in HIERARCHICAL:
             raise ParallelConfigError(
                 f"`hierarchical_allreduce={self.hierarchical_allreduce!r}` must be 'auto', True or False."
             )
-        if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
-            raise ParallelConfigError(
-                f"`process_group_backend={self.process_group_backend!r}` must be a backend name such as "
-                "'hccl', 'nccl' or 'gloo', or None to pick it from the device."
-            )
+        _check_backend(self.process_group_backend)
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
             )
         self._refuse_unimplemented()
+
+    @staticmethod
+    def check_strategy_options(
+        start_method: Any = "popen",
+        find_unused_parameters: Any = False,
+        static_graph: Any = False,
+        async_save: Any = False,
+    ) -> None:
+        """The strategy's launch and DDP options, which are not part of the layout but fail as late as it does."""
+        if start_method not in START_METHODS:
+            raise ParallelConfigError(
+                f"`start_method={start_method!r}` is unknown; choose one of {list(START_METHODS)}."
+            )
+        _flag("find_unused_parameters", find_unused_parameters)
+        _flag("static_graph", static_graph)
+        _flag("async_save", async_save)
 
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""

@@ -5,9 +5,10 @@ owns only a 1/dp slice of every parameter: the rows ``[r*c, (r+1)*c)`` of its di
 ``c = ceil(dim0 / dp)`` (``torch.chunk``'s split, the one DTensor ``Shard(0)`` and FSDP2 use).
 A step is Megatron's distributed-optimizer step:
 
-1. gradients are reduce-scattered in fp32 (``dist.reduce_scatter_single``) bucket by bucket, each
-   bucket launched from a post-accumulate-grad hook as soon as its last gradient is ready, so
-   communication overlaps the rest of backward; accumulating micro-steps communicate nothing;
+1. gradients are reduce-scattered in fp32 bucket by bucket (`grad_sync.GradientBuckets`, whose
+   reductions all go through `grad_sync.reduce_bucket`), each bucket launched from a post-accumulate-grad
+   hook as soon as its last gradient is ready, so communication overlaps the rest of backward;
+   accumulating micro-steps communicate nothing;
 2. the user's optimizer (its class and hyper-parameters, re-created over the slices) steps the
    fp32 master slices, which carry the reduced gradient slices;
 3. the updated slices are all-gathered (``dist.all_gather_single``) back into the parameters,
@@ -27,7 +28,6 @@ factored second moment, as in Adafactor, would see a slice); others are refused 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,11 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
-
-def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
-    # torch 2.13 renamed the single-tensor collectives (the old names warn)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(*args, **kwargs)
+from lightning_npu.parallel.grad_sync import GradientBuckets
 
 
 def _all_gather(*args: Any, **kwargs: Any) -> Any:
@@ -62,56 +58,13 @@ def _tp_spec(p: torch.Tensor) -> Any:
     return getattr(p, "_lnpu_tp", None)
 
 
-class _Slice:
-    """One parameter's place in a bucket and this rank's rows of it."""
-
-    def __init__(self, param: nn.Parameter, offset: int, dp: int, rank: int) -> None:
-        if param.dim() == 0:
-            raise ValueError(
-                "zero_stage=1 shards parameters along dim 0, but the model has a 0-dim (scalar) parameter; give it "
-                "shape (1,) or use zero_stage=0."
-            )
-        self.param = param
-        self.offset = offset  # into this rank's bucket slice
-        rows = param.shape[0]
-        self.row_numel = param[0].numel() if rows else 0
-        self.chunk_rows = math.ceil(rows / dp)
-        self.numel = self.chunk_rows * self.row_numel  # padded per-rank size
-        self.start = min(rows, rank * self.chunk_rows)
-        self.rows = max(0, min(self.chunk_rows, rows - rank * self.chunk_rows))
-
-
-class _Bucket:
-    """Parameters of one dtype whose gradients are reduce-scattered together."""
-
-    def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device) -> None:
-        self.params = params
-        self.dtype = params[0].dtype
-        self.slices: list[_Slice] = []
-        offset = 0
-        for p in params:
-            s = _Slice(p, offset, dp, rank)
-            self.slices.append(s)
-            offset += s.numel
-        self.total = offset
-        self.master = torch.zeros(offset, dtype=torch.float32, device=device)  # this rank's fp32 slice
-        self.grad = torch.zeros(offset, dtype=torch.float32, device=device)  # its reduced gradient
-        self.ready = 0
-        self.launched = False
-        self.pending = False  # holds reduced gradients zero_grad has not cleared
-        self.work: Any = None
-
-    def local_view(self, flat: torch.Tensor, s: _Slice) -> torch.Tensor:
-        return flat[s.offset : s.offset + s.rows * s.row_numel].view(s.rows, *s.param.shape[1:])
-
-
 class DistributedOptimizer(Optimizer):
     """Wraps the user's optimizer for ZeRO stage 1 (see the module docstring).
 
     `param_groups` hold the DTensor slices with the user's hyper-parameters: LR schedulers, clipping and
     checkpoints act on what is actually stepped. `state` is the inner optimizer's (plain tensors of this
     rank's slices). The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
-    (also after a pipeline schedule, without hooks) and clears `sync_enabled` while accumulating.
+    (also after a pipeline schedule, without hooks) and clears `grad_buckets.enabled` while accumulating.
     """
 
     def __init__(
@@ -151,17 +104,17 @@ class DistributedOptimizer(Optimizer):
             )
         if len({id(p) for p in params}) != len(params):
             raise ValueError("A parameter appears in more than one optimizer param group.")
-        device = params[0].device if params else torch.device("cpu")
-        self.buckets = self._make_buckets(params, bucket_size_mb, device)
-        self._slice_of: dict[int, tuple[_Bucket, _Slice]] = {}
+        self.grad_buckets = GradientBuckets(params, self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap)
+        self.buckets = self.grad_buckets.buckets
+        # this rank's fp32 master rows of each bucket (the slice is the master copy, whatever the parameters' dtype)
+        self.masters = [torch.zeros_like(b.grad) for b in self.buckets]
         self._shard_of: dict[int, nn.Parameter] = {}  # model param id -> master DTensor parameter
         self._grad_of: dict[int, DTensor] = {}
-        for bucket in self.buckets:
+        for bucket, flat in zip(self.buckets, self.masters):
             for s in bucket.slices:
-                self._slice_of[id(s.param)] = (bucket, s)
                 with torch.no_grad():
-                    bucket.local_view(bucket.master, s).copy_(s.param.detach()[s.start : s.start + s.rows])
-                master = nn.Parameter(self._dtensor(bucket.local_view(bucket.master, s), s.param))
+                    bucket.local_view(flat, s).copy_(s.param.detach()[s.start : s.start + s.rows])
+                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param))
                 master._lnpu_master = True  # checkpoints store it in place of the parameter
                 for attr, value in vars(s.param).items():
                     if attr.startswith("_lnpu") and attr != "_lnpu_tp":
@@ -184,10 +137,6 @@ class DistributedOptimizer(Optimizer):
         public = [{**h, "params": [self._shard_of[id(p)] for p in g["params"]]}
                   for h, g in zip(hparams, optimizer.param_groups)]
         self.model_params = params
-        self.sync_enabled = True
-        self._hooks: list[Any] = []
-        if overlap:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if p.requires_grad]
         # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the inner optimizer's groups/state
         Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
         self.param_groups = public
@@ -195,24 +144,6 @@ class DistributedOptimizer(Optimizer):
         self.defaults = self.inner.defaults
 
     # ---- layout ---------------------------------------------------------------------------
-    def _make_buckets(self, params: list[nn.Parameter], bucket_size_mb: float, device: torch.device) -> list[_Bucket]:
-        # reverse registration order approximates the order backward produces gradients (as DDP assumes)
-        # the first bucket is small (1 MiB, as DDP's): its reduce-scatter starts early in backward
-        limit = max(1, int(min(1.0, bucket_size_mb) * 2**20))
-        buckets: list[_Bucket] = []
-        pending: dict[torch.dtype, list[nn.Parameter]] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for p in reversed(params):
-            group = pending.setdefault(p.dtype, [])
-            group.append(p)
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * 4
-            if sizes[p.dtype] >= limit:
-                buckets.append(_Bucket(group, self.dp, self.dp_rank, device))
-                pending[p.dtype], sizes[p.dtype] = [], 0
-                limit = max(1, int(bucket_size_mb * 2**20))
-        buckets.extend(_Bucket(group, self.dp, self.dp_rank, device) for group in pending.values() if group)
-        return buckets
-
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
         spec = _tp_spec(param)
         if spec is None:
@@ -231,38 +162,6 @@ class DistributedOptimizer(Optimizer):
         """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here)."""
         return self._shard_of.get(id(param))
 
-    # ---- gradients ------------------------------------------------------------------------
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self.sync_enabled:
-            return  # accumulating micro-step: gradients stay local, nothing is communicated
-        bucket, _ = self._slice_of[id(param)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        # buckets are launched in a fixed order on every rank (collectives must match), each once all earlier
-        # ones are in flight
-        for bucket in self.buckets:
-            if bucket.launched:
-                continue
-            if bucket.ready < len(bucket.params):
-                return
-            self._launch(bucket)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        send = torch.empty(self.dp, bucket.total, dtype=torch.float32, device=bucket.grad.device)
-        # rank-major, each gradient's dim 0 chunked and zero-padded: rank r's part is its rows of every gradient
-        torch._chunk_cat(grads, dim=0, num_chunks=self.dp, out=send)
-        for p in bucket.params:
-            p.grad = None  # the reduced slice replaces the full local gradient (no stale full copy to misread)
-        # a second backward before zero_grad (manual optimization) adds to the reduced slice, as `.grad` would
-        bucket.out = torch.empty_like(bucket.grad) if bucket.pending else bucket.grad
-        bucket.work = _reduce_scatter(bucket.out, send.view(-1), group=self.dp_group, async_op=True)
-        bucket.send = send
-        bucket.launched = True
-
     def finish_gradient_sync(self) -> None:
         """End of the stepping backward: reduce what the hooks did not launch (all of it without hooks, e.g.
         after a pipeline schedule), wait, average, attach to the masters.
@@ -270,20 +169,11 @@ class DistributedOptimizer(Optimizer):
         A backward that gave none of this optimizer's parameters a gradient (another optimizer's turn under
         manual optimization) communicates nothing and leaves the masters without gradients, so it steps nothing.
         """
-        if not any(b.launched or b.ready for b in self.buckets) and all(p.grad is None for p in self.model_params):
+        if not self.grad_buckets.has_gradients():
             for master in self._shard_of.values():
                 master.grad = None
             return
-        for bucket in self.buckets:
-            bucket.ready = len(bucket.params)
-        self._launch_ready()
-        for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.out.div_(self.dp)
-            if bucket.out is not bucket.grad:
-                bucket.grad.add_(bucket.out)
-            bucket.work, bucket.send, bucket.out = None, None, None
-            bucket.ready, bucket.launched, bucket.pending = 0, False, True
+        self.grad_buckets.finish()
         self._attach_gradients()
 
     def _attach_gradients(self) -> None:
@@ -297,8 +187,8 @@ class DistributedOptimizer(Optimizer):
     def gather_parameters(self) -> None:
         """All-gather every rank's master slice into the (replicated) parameters, in their dtype."""
         pending = []
-        for bucket in self.buckets:
-            mine = bucket.master.to(bucket.dtype)
+        for bucket, master in zip(self.buckets, self.masters):
+            mine = master.to(bucket.dtype)
             full = torch.empty(self.dp, bucket.total, dtype=bucket.dtype, device=mine.device)
             work = _all_gather(full.view(-1), mine, group=self.dp_group, async_op=True)
             pending.append((bucket, full, work))
@@ -332,8 +222,7 @@ class DistributedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them
         # (state lives on the buckets: Lightning's LightningOptimizer calls this on a copy of our __dict__)
-        for bucket in self.buckets:
-            bucket.pending = False
+        self.grad_buckets.clear()
         for p in self.model_params:
             if p.grad is not None:
                 if set_to_none:
@@ -402,9 +291,9 @@ class DistributedOptimizer(Optimizer):
     @torch.no_grad()
     def refresh_masters_from_parameters(self) -> None:
         """After parameters were loaded directly (e.g. a single-file checkpoint), re-slice the masters."""
-        for bucket in self.buckets:
+        for bucket, master in zip(self.buckets, self.masters):
             for s in bucket.slices:
-                bucket.local_view(bucket.master, s).copy_(s.param.detach()[s.start : s.start + s.rows])
+                bucket.local_view(master, s).copy_(s.param.detach()[s.start : s.start + s.rows])
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(
@@ -423,7 +312,7 @@ class DistributedOptimizer(Optimizer):
                 "The optimizer state does not match this optimizer's param groups (group count or sizes differ); "
                 "resume with the same `configure_optimizers`."
             )
-        by_master = {id(m): self._slice_of[pid][1] for pid, m in self._shard_of.items()}
+        by_master = {id(m): self.grad_buckets.slice_of[pid][1] for pid, m in self._shard_of.items()}
         for saved, mine in zip(groups, self.param_groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
             for index, master in zip(saved["params"], mine["params"]):

@@ -1,0 +1,154 @@
+"""Apply a layout to a model, in one order; and the path of one training step.
+
+A training step under ``npu_hybrid``, one call each (the strategy's Lightning hooks only route to these):
+
+1. batch: `sampler.ResumableDistributedSampler` gives each dp rank its part of the global batch
+   (tp and pp peers read the same one);
+2. forward: `LightningModule.training_step` inside `HybridPrecision.forward_context` (autocast, fp32 norms
+   and softmax), or `pipeline.PipelineRunner.train_step`, which also runs backward;
+3. loss: `F.cross_entropy` on vocab-sharded logits runs as `tensor.vocab_parallel_cross_entropy`;
+4. backward: `HybridPrecision.backward` of loss x scale (the schedule's, under pp);
+5. gradient sync: `Parallelized.grad_sync.finish()`; every bucket goes through `grad_sync.reduce_bucket`;
+6. clip: `HybridPrecision.clip_gradients`: unscale, all-rank overflow check, the global norm of
+   `grad_norm.gradient_statistics` (which the guards and the logged ``grad_norm`` read too);
+7. step: the user's optimizer on fp32 weights (ZeRO-1: `DistributedOptimizer.step` on the dp slices,
+   then an all-gather of the parameters);
+8. checkpoint: `checkpoint` writes DCP shards and commits them once, atomically.
+
+`parallelize` applies, in this order: fused ops, tensor parallelism, activation checkpointing, the
+pipeline split, data parallelism. Tensor parallelism rewrites parameters into DTensors and needs the
+whole model; activation checkpointing then wraps blocks whose parameters are already sharded (as
+torchtitan orders them); the split keeps this rank's stages; data parallelism wraps only what this rank
+holds (FSDP2 per stage module, gradient buckets over the stage's parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_npu.parallel import data as data_parallel
+from lightning_npu.parallel import grad_sync as gs
+from lightning_npu.parallel.config import ParallelConfig
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` made: the module Lightning keeps, this rank's pipeline, the gradient sync."""
+
+    model: nn.Module  # a DDP wrapper under zero 0 at pp = 1, else the LightningModule itself
+    pipeline: Any = None  # pipeline.PipelineRunner when pp > 1
+    grad_sync: gs.GradientSync = field(default_factory=gs.GradientSync)
+    fusion_report: Any = None
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    *,
+    tp_plan: Any,
+    pipeline_plan: Any,
+    precision: Any,
+    device: torch.device,
+    device_ids: Optional[list[int]],
+    ddp_kwargs: dict[str, Any],
+    pipeline: Any = None,
+) -> Parallelized:
+    """Shard `model` (the LightningModule, in place) over `mesh` as `cfg` says. Collective.
+
+    `pipeline`: this model's stages when an earlier validate/test already split it (kept as they are).
+    """
+    fusion_report = apply_fused_ops(model, device) if cfg.fuse_ops else None
+    zero23 = cfg.zero_stage in (2, 3)
+    tp_names = apply_tp(model, mesh, tp_plan, localize=not zero23)
+    apply_ac(model, cfg.activation_checkpointing)
+    if pipeline is None and cfg.pipeline_parallel_size > 1:
+        pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
+    wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs)
+    return Parallelized(wrapped, pipeline, sync, fusion_report)
+
+
+def apply_fused_ops(model: nn.Module, device: torch.device) -> Any:
+    from lightning_npu.ops import rewrite_modules
+
+    return rewrite_modules(model, device=device)
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> list[str]:
+    """Shard over ``mesh["tp"]``; returns the names of the tp-sharded parameters.
+
+    ``localize`` (zero 0/1): the parameters become plain local shards that each module re-wraps as DTensors
+    around its forward (DDP and the ZeRO-1 buckets reduce them like any tensor). Under zero 2/3 they stay
+    DTensors, which FSDP2 makes 2-D ``(dp, tp)``. Either way the fused projections' layout is recorded as
+    ``model._lnpu_fused`` (FQN -> (dim, parts, tp)) for full-tensor state dicts.
+    """
+    from lightning_npu.parallel import tensor as tp
+
+    model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+    if plan is None or not plan.styles:
+        return []
+    if not plan.applied:
+        tp.apply_tensor_parallel(model, mesh["tp"], plan)
+        fused = tp.fused_parameters(model)  # read from the DTensor parameters, before localizing or FSDP2
+        if localize:
+            tp.localize_parameters(model)
+        model._lnpu_fused = fused
+    return [n for n, p in model.named_parameters() if getattr(p, "_lnpu_tp", None) is not None]
+
+
+def apply_ac(model: nn.Module, policy: Any) -> None:
+    """Activation checkpointing of the blocks (`ParallelConfig` refuses every policy but None for now)."""
+    if policy is not None:
+        raise NotImplementedError(f"activation_checkpointing={policy!r}")
+
+
+def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any, device: torch.device) -> Any:
+    """Keep only this rank's stages of `model` (in place) and build their schedules."""
+    from lightning_npu.parallel.pipeline import PipelineRunner
+
+    runner = PipelineRunner(model, plan, mesh["pp"], device, cfg.pipeline_schedule,
+                            cfg.micro_batches or cfg.pipeline_parallel_size)
+    # Lightning broadcasts rank 0's parameters before validate/test: pipeline stages hold different modules
+    model._ddp_params_and_buffers_to_ignore = [n for n, _ in model.named_parameters()] + [
+        n for n, _ in model.named_buffers()]
+    return runner
+
+
+def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelConfig, precision: Any,
+             tp_names: list[str], device_ids: Optional[list[int]],
+             ddp_kwargs: dict[str, Any]) -> tuple[nn.Module, gs.GradientSync]:
+    """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync."""
+    dp_mesh = mesh["dp"]
+    if cfg.zero_stage in (2, 3):
+        param_dtype = data_parallel.fsdp_param_dtype(precision)
+        if pipeline is not None:
+            # FSDP2 on each stage module, before any PipelineStage exists (torchtitan's order)
+            pipeline.fully_shard(dp_mesh, cfg.zero_stage, param_dtype)
+        else:
+            data_parallel.fully_shard_data_parallel(model, mesh, cfg.zero_stage, param_dtype)
+            # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
+            model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
+        return model, gs.FullyShardedGradientSync(model if pipeline is None else None)
+    if cfg.zero_stage == 1 and cfg.resolved_dp > 1:
+        # the DistributedOptimizer's buckets reduce-scatter the gradients (bound in setup_optimizers)
+        if pipeline is None:
+            data_parallel.broadcast_module_states(model, mesh)  # start from dp-rank 0's weights, as DDP would
+            model._ddp_params_and_buffers_to_ignore = tp_names
+        return model, gs.DistributedOptimizerSync()
+    if pipeline is not None:
+        if cfg.resolved_dp == 1:
+            return model, gs.GradientSync()
+        buckets = gs.GradientBuckets(pipeline.stage_parameters(), dp_mesh, cfg.bucket_size_mb, shard=False,
+                                     overlap=False)  # the schedule runs backward per micro-batch: reduce after it
+        return model, gs.BucketedGradientSync(buckets)
+    wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
+    if tp_names:
+        # DDP has taken every parameter (tp shards are averaged over dp too); from now on Lightning's whole-world
+        # state broadcast (before validate/test) must skip the tp shards, which differ between tp ranks by design
+        model._ddp_params_and_buffers_to_ignore = tp_names
+    return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True))
