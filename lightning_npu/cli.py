@@ -1,40 +1,36 @@
 """`lightning-npu` command line, built on LightningCLI.
 
 ``fit|validate|test|predict`` are LightningCLI's own subcommands with the ``npu_hybrid``
-strategy registered. The current directory is importable (as with ``python -m``) so that a
-config's ``class_path`` can name modules of the user's project, e.g. ``examples.gpt.model.GPTModule``.
+strategy registered; ``convert-checkpoint`` is ours (listed in ``--help`` with them). The current
+directory is importable (as with ``python -m``) so that a config's ``class_path`` can name modules
+of the user's project, e.g. ``examples.gpt.model.GPTModule``.
+
+``fit --ckpt_path latest`` resumes from the newest complete checkpoint that the configured
+DynamicCheckpoint or ModelCheckpoint callbacks wrote, or starts fresh and says so.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
 
-
-def _lightning_cli(args: list[str]) -> None:
-    from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
-
-    LightningCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-    )
+PROG = "lightning-npu"
+LATEST = "latest"
 
 
 def convert_checkpoint(args: list[str]) -> None:
     """`lightning-npu convert-checkpoint SRC DST`: a sharded checkpoint directory -> one full state-dict file."""
     import argparse
-    from pathlib import Path
 
     parser = argparse.ArgumentParser(
-        prog="lightning-npu convert-checkpoint",
+        prog=f"{PROG} convert-checkpoint",
         description="Consolidate a lightning-npu sharded (DCP) checkpoint, saved under any tp/dp/zero layout, into "
         "a single file of full model tensors: safetensors if DST ends in .safetensors, else a torch file "
         "(a plain dict of tensors, loadable with torch.load(..., weights_only=True)).",
@@ -70,13 +66,197 @@ def convert_checkpoint(args: list[str]) -> None:
     print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {dst}")
 
 
+# Commands that are not LightningCLI's: name -> (function of the remaining args, one-line help).
+# They run before LightningCLI parses anything, and are listed in `lightning-npu --help`.
+COMMANDS: dict[str, tuple[Callable[[list[str]], Any], str]] = {
+    "convert-checkpoint": (
+        convert_checkpoint,
+        "Consolidate a sharded checkpoint into one file of full tensors (SRC DST; see its --help).",
+    ),
+}
+
+# `--trainer.strategy.help npu_hybrid`: jsonargparse wants a class path; registered names map to their class.
+_HELP_FLAGS = ("--trainer.strategy.help", "--trainer.accelerator.help")
+
+
+def _class_path(flag: str, name: str) -> str:
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    registry = StrategyRegistry if "strategy" in flag else AcceleratorRegistry
+    if name in registry:
+        cls = registry[name]["strategy" if "strategy" in flag else "accelerator"]
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return name
+
+
+def _alias_registered_names(args: list[str]) -> list[str]:
+    out = list(args)
+    for i, arg in enumerate(out):
+        for flag in _HELP_FLAGS:
+            if arg == flag and i + 1 < len(out):
+                out[i + 1] = _class_path(flag, out[i + 1])
+            elif arg.startswith(flag + "="):
+                out[i] = f"{flag}={_class_path(flag, arg[len(flag) + 1:])}"
+    return out
+
+
+def _without_ckpt_path(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            out.append(arg)
+    return out
+
+
+# ---- checkpoint discovery for `--ckpt_path latest` --------------------------------------------
+def _dynamic_dir(trainer: Any, callback: Any) -> Path:
+    # DynamicCheckpoint resolves its default at setup; this is the same default
+    return Path(callback.dirpath) if callback.dirpath is not None else Path(trainer.default_root_dir) / "checkpoints"
+
+
+def _model_checkpoint_dirs(trainer: Any, callback: Any) -> list[Path]:
+    """Where ModelCheckpoint writes: its dirpath, else (as Lightning resolves it) the first logger's
+    ``save_dir/name/<version>/checkpoints`` of every earlier version, else ``default_root_dir/checkpoints``."""
+    if callback.dirpath is not None:
+        return [Path(callback.dirpath)]
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        base = Path(logger.save_dir or trainer.default_root_dir)
+        name = logger.name
+        if isinstance(name, str) and name:
+            base = base / name
+        return sorted(base.glob("*/checkpoints"))
+    return [Path(trainer.default_root_dir) / "checkpoints"]
+
+
+def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
+    """The newest complete checkpoint written by the trainer's DynamicCheckpoint / ModelCheckpoint
+    callbacks (by modification time, as Lightning's ``ckpt_path="last"``), and the folders searched.
+
+    DynamicCheckpoint's own discovery decides what is complete (marker, verification). A ModelCheckpoint
+    path is complete once it exists under its final name: npu_hybrid commits by renaming, and names that
+    start with "." are writes in progress or copies set aside.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_npu.callbacks import DynamicCheckpoint
+    from lightning_npu.callbacks._store import list_complete
+
+    candidates: dict[str, float] = {}
+    searched: list[Path] = []
+    dynamic_dirs = set()
+    for cb in trainer.callbacks:
+        if isinstance(cb, DynamicCheckpoint):
+            dirpath = _dynamic_dir(trainer, cb)
+            searched.append(dirpath)
+            dynamic_dirs.add(dirpath.resolve())
+            found = DynamicCheckpoint.find_latest(dirpath)
+            if found is not None:
+                candidates[found] = Path(found).stat().st_mtime
+    for cb in trainer.callbacks:
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        for dirpath in _model_checkpoint_dirs(trainer, cb):
+            searched.append(dirpath)
+            if not dirpath.is_dir():
+                continue
+            # a folder shared with DynamicCheckpoint: its checkpoints were judged above
+            theirs = {i.path.name for i in list_complete(dirpath)} if dirpath.resolve() in dynamic_dirs else set()
+            for path in dirpath.iterdir():
+                if path.name.startswith(".") or path.suffix != cb.FILE_EXTENSION or path.name in theirs:
+                    continue
+                if path.is_dir() and not (path / "meta.pt").is_file():
+                    continue  # not a sharded checkpoint
+                candidates[str(path)] = path.stat().st_mtime
+    latest = max(candidates, key=candidates.get) if candidates else None
+    return latest, list(dict.fromkeys(searched))
+
+
+class NPUCLI(LightningCLI):
+    """LightningCLI with ``--ckpt_path latest``, registered-name help and a resume hint after fit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._argv: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        if add_subcommands:
+            # listed in --help only: main() runs these before LightningCLI parses
+            action = self.parser._subcommands_action
+            for name, (_, help_text) in COMMANDS.items():
+                action.add_subcommand(name, LightningArgumentParser(prog=f"{PROG} {name}", description=help_text),
+                                      help=help_text)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # `args=None` reads sys.argv (the console script); a list replaces it (main([...]) from Python). Either
+        # way the arguments come from one place, so Lightning's "both args and command line" warning has no case.
+        args = list(sys.argv[1:] if args is None else args)
+        self._argv = args
+        self.config = parser.parse_args(_alias_registered_names(args))
+
+    def before_fit(self) -> None:
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != LATEST:
+            return
+        path, searched = find_latest_checkpoint(self.trainer)
+        config["ckpt_path"] = path
+        if self.trainer.is_global_zero:
+            where = ", ".join(str(p) for p in searched) or "nowhere: no DynamicCheckpoint or ModelCheckpoint is configured"
+            if path is None:
+                print(f"{PROG}: --ckpt_path latest: no complete checkpoint in {where}; starting fresh.", flush=True)
+            else:
+                print(f"{PROG}: --ckpt_path latest: resuming from {path}", flush=True)
+
+    def after_fit(self) -> None:
+        if not self.trainer.is_global_zero or self.trainer.interrupted:
+            return
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from lightning_npu.callbacks import DynamicCheckpoint
+
+        lines = []
+        for cb in self.trainer.callbacks:
+            if isinstance(cb, DynamicCheckpoint) and cb.dirpath is not None:
+                last = cb.latest()
+                lines.append(f"  DynamicCheckpoint: {cb.dirpath}" + (f" (newest: {Path(last).name})" if last else ""))
+            elif isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+                last = cb.last_model_path or cb.best_model_path
+                lines.append(f"  ModelCheckpoint: {cb.dirpath}" + (f" (newest: {Path(last).name})" if last else ""))
+        if not lines:
+            return
+        resume = shlex.join([PROG, *_without_ckpt_path(self._argv), "--ckpt_path", LATEST])
+        print("\n".join([f"{PROG}: checkpoints are in", *lines, "Resume this run with:", f"  {resume}"]), flush=True)
+
+
+def _lightning_cli(args: Optional[list[str]]) -> None:
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    NPUCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": PROG, "description": "Train, evaluate and manage checkpoints with lightning-npu "
+                       "(LightningCLI with the npu_hybrid strategy registered)."},
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point of `lightning-npu`; `argv` replaces the command line (``sys.argv[1:]``) when given."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "convert-checkpoint":
-        return convert_checkpoint(args[1:])
+    if args and args[0] in COMMANDS:
+        return COMMANDS[args[0]][0](args[1:])
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    _lightning_cli(args)
+    _lightning_cli(argv)
 
 
 if __name__ == "__main__":

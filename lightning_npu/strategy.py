@@ -38,8 +38,42 @@ from lightning_npu.parallel.tensor import is_tensor_parallel, shard_optimizer_st
 class NPUHybridStrategy(DDPStrategy):
     """Hybrid tensor/pipeline/data parallelism on one device mesh, on NPU, CUDA or CPU.
 
-    See ARCHITECTURE.md for the meaning of each argument. Arguments are validated here, and the
-    layout against the world size as soon as the Trainer knows it, before any process group exists.
+    The processes form a ``("pp", "dp", "tp")`` mesh with ``tp * pp * dp == world size``. Arguments
+    are validated here, and the layout against the world size as soon as the Trainer knows it, so a
+    bad layout fails before any process group exists. An argument whose feature has not landed yet
+    raises ``NotImplementedYetError`` rather than being ignored.
+
+    Args:
+        tensor_parallel_size: ranks that split each layer's weights (DTensor, ``tp`` mesh dim).
+        pipeline_parallel_size: pipeline stages the blocks are split into (``pp`` mesh dim); the
+            LightningModule needs ``pipeline_loss(output, target)``.
+        data_parallel_size: model replicas, each reading its own batches; ``"auto"`` is
+            world size // (tp * pp).
+        zero_stage: what is sharded over the dp ranks: 0 nothing (replicate), 1 optimizer state,
+            2 also gradients, 3 also parameters (FSDP2).
+        micro_batches: pipeline micro-batches per optimizer step (pp > 1); ``None`` means one per
+            stage (``pipeline_parallel_size``).
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        tp_plan: how layers are split under tp > 1: ``"auto"`` (known GPT-2 / Llama /
+            ``transformers`` shapes), a dict of module-name glob to a style (``"colwise"``,
+            ``"rowwise"``, ``"vocab"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for no split.
+        sequence_parallel: also shard norm and dropout activations along the sequence over the tp
+            ranks (saves activation memory; needs tp > 1).
+        activation_checkpointing: recompute activations in backward: ``None`` off, an int N
+            (every N blocks), or a policy name such as ``"selective"``.
+        fuse_ops: replace norms, softmax, GELU, SwiGLU and dropout+add with fused kernels
+            (``state_dict`` keys unchanged).
+        gradient_compression: compress gradients before the dp reduction: ``None`` or a mode
+            (``"bf16"``, ``"int8"``, ``"topk"``, ``"onebit"``, ``"powersgd"``).
+        bucket_size_mb: size of the gradient buckets that are reduced together, in MiB.
+        hierarchical_allreduce: reduce within a node, then across nodes: ``"auto"``, True or False.
+        process_group_backend: ``None`` picks it from the device (hccl, nccl, gloo).
+        timeout: collective timeout (``datetime.timedelta``); ``None`` is torch's default.
+        start_method: how Lightning launches the local processes (as in ``DDPStrategy``).
+        find_unused_parameters: as in ``DDPStrategy``, for models that skip parameters in forward.
+        static_graph: as in ``DDPStrategy``.
+        async_save: write sharded checkpoints in a background thread; each is committed as soon as
+            every rank's shards are on disk.
     """
 
     strategy_name = "npu_hybrid"

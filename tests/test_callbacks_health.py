@@ -76,6 +76,34 @@ def test_persistent_nan_escalates_to_rollback_then_stop(tmp_path):
     assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(0.025)]
 
 
+def test_repeated_warnings_are_rate_limited_per_check_and_summarised(tmp_path, caplog):
+    # a band that every step misses (what LLM bands do to a small model): one full warning, a note that the
+    # rest are counted, a reminder at 10x the limit, and a summary at train end with the real counts
+    guard = GradientHealthGuard(grad_norm_range=(0.0, 1e-9), grad_variance_range=None, update_ratio_target=None,
+                                max_warnings=1)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.callbacks.health"):
+        _fit(tmp_path, 12, [guard])
+    messages = [r.getMessage() for r in caplog.records if r.name == "lightning_npu.callbacks.health"]
+    full = [m for m in messages if m.startswith("GradientHealthGuard: step ")]
+    assert len(full) == 1 and "step 0:" in full[0] and "Further grad_norm warnings are counted" in full[0]
+    assert [m for m in messages if "has fired" in m] == [
+        "GradientHealthGuard: grad_norm has fired 10 times (first step 0, last step 9)."
+    ]
+    assert messages[-1] == "GradientHealthGuard summary: check grad_norm fired 12 times (first step 0, last step 11)."
+    assert len(messages) == 3
+    assert len([e for e in guard.events if e["action"] == "warn"]) == 12  # every warning is still recorded
+
+
+def test_actions_are_always_logged_and_counted_in_the_summary(tmp_path, caplog):
+    guard = GradientHealthGuard(max_warnings=0, grad_variance_range=None, update_ratio_target=None,
+                                grad_norm_range=None)
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.callbacks.health"):
+        _fit(tmp_path, 8, [guard], nan_at=(3, 6))
+    messages = [r.getMessage() for r in caplog.records if r.name == "lightning_npu.callbacks.health"]
+    assert sum("skipped the optimizer step (nonfinite at step" in m for m in messages) == 2
+    assert guard.summary() == "GradientHealthGuard summary: check nonfinite fired 2 times (first step 3, last step 6)."
+
+
 @pytest.mark.parametrize(
     "kwargs, needle",
     [

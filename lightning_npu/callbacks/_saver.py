@@ -35,7 +35,7 @@ class AtomicSaver:
         meta.setdefault("run", run_id(trainer))
         if getattr(trainer.strategy, "accepts_commit_request", False):
             request = _commit.CommitRequest(marker=meta, checksum=self.checksum)
-            trainer.save_checkpoint(str(final), storage_options=request)
+            trainer.save_checkpoint(str(final), weights_only=False, storage_options=request)
             self._requests.append((final, request))
             return final
         if self._pending:  # one write in flight at a time, like the strategies' own async writers
@@ -43,7 +43,7 @@ class AtomicSaver:
         token = broadcast(trainer, _store.new_token())
         _commit.hold(token)
         tmp = _store.temp_path(final, token)
-        trainer.save_checkpoint(str(tmp))
+        trainer.save_checkpoint(str(tmp), weights_only=False)
         self._pending.append((tmp, final, meta, token))
         if not self._async(trainer):
             self.poll(trainer, wait=True)

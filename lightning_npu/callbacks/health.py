@@ -47,6 +47,11 @@ def _range(arg: str, value: Any) -> Optional[tuple[float, float]]:
     return low, high
 
 
+def _power_of_ten(x: float) -> bool:
+    exponent = round(math.log10(x)) if x > 0 else 0
+    return x == 10**exponent
+
+
 class GradientHealthGuard(Callback):
     """Per-step gradient and loss health checks with warn / skip / rollback / stop actions.
 
@@ -58,6 +63,12 @@ class GradientHealthGuard(Callback):
     The update ratio |dw|/|w| is measured every ``update_ratio_every`` steps (it needs a copy of the
     weights) and flagged when it is more than ``update_ratio_tolerance`` times off ``update_ratio_target``;
     it is known only after the step, so ``"skip"`` is not accepted for it.
+
+    Warnings are rate-limited per check: the first ``max_warnings`` of each check are logged in full,
+    later ones only at 10x, 100x, ... that number, and the end of training logs how often each check
+    fired (first and last step). The default bands come from LLM pretraining, and a small model can sit
+    outside one of them on every step: one line per check then says so without flooding the log.
+    Skips, rollbacks and stops are always logged.
     """
 
     def __init__(
@@ -81,7 +92,7 @@ class GradientHealthGuard(Callback):
         max_rollbacks: int = 2,
         rollback_lr_factor: Optional[float] = 0.5,
         checkpoint_dir: Optional[str] = None,
-        max_warnings: int = 20,
+        max_warnings: int = 3,
     ) -> None:
         self.severity = {
             "nonfinite": _action("nonfinite_action", nonfinite_action),
@@ -111,7 +122,7 @@ class GradientHealthGuard(Callback):
         check_int("GradientHealthGuard", "escalate_after", escalate_after, 1, 3, allow_none=True)
         if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
             raise ValueError(f"GradientHealthGuard(max_rollbacks={max_rollbacks!r}): must be an integer >= 0.")
-        check_int("GradientHealthGuard", "max_warnings", max_warnings, 0, 20)
+        check_int("GradientHealthGuard", "max_warnings", max_warnings, 0, 3)
         if rollback_lr_factor is not None and not 0.0 < rollback_lr_factor <= 1.0:
             raise ValueError(f"GradientHealthGuard(rollback_lr_factor={rollback_lr_factor!r}): must be in (0, 1], or None.")
         self.loss_spike_factor = loss_spike_factor
@@ -132,6 +143,8 @@ class GradientHealthGuard(Callback):
         self.rollbacks = 0
         self.consecutive_bad = 0
         self.warnings = 0
+        # check -> [times fired, first step, last step], for the rate limit and the end-of-training summary
+        self.fired: dict[str, list[int]] = {}
         self.stop_reason: Optional[str] = None
         self.events: list[dict[str, Any]] = []
         self._losses: list[torch.Tensor] = []
@@ -244,6 +257,7 @@ class GradientHealthGuard(Callback):
             else:
                 self.rollbacks += 1
                 self.consecutive_bad = 0
+        self._count(trainer, flagged)
         reason = f"{', '.join(flagged)} at step {trainer.global_step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
         self.events.append({"step": trainer.global_step, "action": _NAMES[severity], "checks": flagged, **values})
         self._drop_step(params)
@@ -303,8 +317,39 @@ class GradientHealthGuard(Callback):
                 scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
     # ---- reporting ----------------------------------------------------------------------
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        summary = self.summary()
+        if summary and trainer.is_global_zero:
+            log.warning(summary)
+
+    def summary(self) -> str:
+        """How often each check fired this run, e.g. "check grad_norm fired 120 times (first step 3, last step 199)"."""
+        parts = [f"check {c} fired {n} time{'s' if n != 1 else ''} (first step {first}, last step {last})"
+                 for c, (n, first, last) in self.fired.items()]
+        return f"GradientHealthGuard summary: {'; '.join(parts)}." if parts else ""
+
+    def _count(self, trainer: Any, flagged: list[str]) -> None:
+        step = trainer.global_step
+        for check in flagged:
+            entry = self.fired.setdefault(check, [0, step, step])
+            entry[0] += 1
+            entry[2] = step
+
     def _warn(self, trainer: Any, flagged: list[str], values: dict) -> None:
         self.events.append({"step": trainer.global_step, "action": "warn", "checks": flagged, **values})
+        self._count(trainer, flagged)
+        counts = {c: self.fired[c][0] for c in flagged}
+        limit = self.max_warnings
+        if all(n > limit for n in counts.values()):
+            # rate-limited: a reminder when a check reaches 10x, 100x, ... the limit, else only counted
+            due = [c for c, n in counts.items() if n >= 10 * max(limit, 1) and _power_of_ten(n / max(limit, 1))]
+            if due:
+                self.warnings += 1
+                if trainer.is_global_zero:
+                    log.warning("GradientHealthGuard: " + "; ".join(
+                        f"{c} has fired {counts[c]} times (first step {self.fired[c][1]}, last step {self.fired[c][2]})"
+                        for c in due) + ".")
+            return
         ranges = {
             "grad_norm": self.grad_norm_range,
             "loss": self.loss_range,
@@ -314,11 +359,16 @@ class GradientHealthGuard(Callback):
         }
         detail = "; ".join(f"{c} expected {ranges.get(c)}" for c in flagged)
         values_s = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        self._log_warning(trainer, f"GradientHealthGuard: step {trainer.global_step}: {values_s} ({detail}).")
+        message = f"GradientHealthGuard: step {trainer.global_step}: {values_s} ({detail})."
+        quiet = [c for c, n in counts.items() if n == limit]
+        if quiet:
+            message += (f" Further {' and '.join(quiet)} warnings are counted and summarised at the end of training"
+                        " (GradientHealthGuard(max_warnings=...) logs more).")
+        self._log_warning(trainer, message)
 
     def _log_warning(self, trainer: Any, message: str) -> None:
         self.warnings += 1
-        if trainer.is_global_zero and (self.warnings <= self.max_warnings or self.warnings % 1000 == 0):
+        if trainer.is_global_zero:
             log.warning(message)
 
     @staticmethod
