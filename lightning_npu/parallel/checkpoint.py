@@ -63,6 +63,7 @@ from torch.optim import Optimizer
 
 from lightning_npu.parallel import commit as _commit
 from lightning_npu.parallel.commit import CommitRequest, new_token, temp_path  # noqa: F401  (public here too)
+from lightning_npu.parallel.tensor import fused_layout, shard_spec
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _local_optimizer(optimizer: Optimizer) -> Optimizer:
 
 def _tp_specs(module: torch.nn.Module) -> dict[str, Any]:
     """FQN -> ShardSpec of tensor-parallel parameters held as plain local shards (ZeRO 0/1 under TP)."""
-    return {n: p._lnpu_tp for n, p in module.named_parameters(remove_duplicate=False) if getattr(p, "_lnpu_tp", None)}
+    return {n: shard_spec(p) for n, p in module.named_parameters(remove_duplicate=False) if shard_spec(p) is not None}
 
 
 def _view(spec: Any, local: torch.Tensor) -> Any:
@@ -551,7 +552,7 @@ def fused_layout_changes(meta: dict[str, Any], module: torch.nn.Module) -> bool:
     rank-major for the saving tp size (``lightning_npu.parallel.tensor``); any other tp size needs
     :func:`load_sharded_relayout`."""
     saved = (meta.get("lightning_npu") or {}).get("fused") or {}
-    current = getattr(module, "_lnpu_fused", None) or {}
+    current = fused_layout(module)
     return bool(saved or current) and saved != current
 
 
@@ -578,7 +579,7 @@ def load_sharded_relayout(
         raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
     meta = read_meta(path, weights_only=weights_only)
     saved_fused = (meta.get("lightning_npu") or {}).get("fused") or {}
-    current_fused = getattr(module, "_lnpu_fused", None) or {}
+    current_fused = fused_layout(module)
     stored = checkpoint_tensor_metadata(path)
 
     def full_like(key: str, value: Any) -> Any:
@@ -627,7 +628,7 @@ def layout_metadata(cfg: Any, world_size: int, module: torch.nn.Module) -> dict[
         "zero_stage": cfg.zero_stage,
         "world_size": world_size,
         # ZeRO 2/3 x TP: fused projections stored rank-major for this tp size (FQN -> (dim, parts, tp))
-        "fused": dict(getattr(module, "_lnpu_fused", None) or {}),
+        "fused": fused_layout(module),
     }
 
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.grad_sync import GradientBuckets
+from lightning_npu.parallel.tensor import shard_spec
 
 
 def _all_gather(*args: Any, **kwargs: Any) -> Any:
@@ -52,10 +53,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "Rprop", "ASGD")
     if hasattr(torch.optim, name)
 )
-
-
-def _tp_spec(p: torch.Tensor) -> Any:
-    return getattr(p, "_lnpu_tp", None)
 
 
 class DistributedOptimizer(Optimizer):
@@ -117,7 +114,7 @@ class DistributedOptimizer(Optimizer):
                 master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param))
                 master._lnpu_master = True  # checkpoints store it in place of the parameter
                 for attr, value in vars(s.param).items():
-                    if attr.startswith("_lnpu") and attr != "_lnpu_tp":
+                    if attr.startswith("_lnpu") and shard_spec(s.param) is not value:  # (a DTensor needs no tp shard spec)
                         setattr(master, attr, value)
                 self._shard_of[id(s.param)] = master
                 self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param)
@@ -145,7 +142,7 @@ class DistributedOptimizer(Optimizer):
 
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
-        spec = _tp_spec(param)
+        spec = shard_spec(param)
         if spec is None:
             return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
                                       stride=param.stride())

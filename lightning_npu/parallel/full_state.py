@@ -37,7 +37,7 @@ def _local_full_state(module: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        return tp.unfuse_full_tensors(state, getattr(module, "_lnpu_fused", None) or {})
+        return tp.unfuse_full_tensors(state, tp.fused_layout(module))
     if tp.is_tensor_parallel(module):
         return tp.full_state_dict(module)
     return module.state_dict()
@@ -89,7 +89,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool 
         if _has_dtensor_params(module):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            fused = getattr(module, "_lnpu_fused", None) or {}
+            fused = tp.fused_layout(module)
             set_model_state_dict(module, tp.refuse_fused(state, fused),
                                  options=StateDictOptions(full_state_dict=True, strict=False))
         elif tp.is_tensor_parallel(module):

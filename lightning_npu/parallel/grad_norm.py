@@ -5,8 +5,8 @@ tensor parallelism), sharded (a DTensor with ``Shard`` placements under TP or FS
 owned by one pipeline stage. The global L2 norm must count every element exactly once:
 
 * plain tensors are treated as replicated over ``dp`` and ``tp`` and owned by this pipeline stage;
-* a DTensor's (or a local tensor-parallel shard's: a parameter carrying the ``_lnpu_tp`` shard
-  spec that `lightning_npu.parallel.tensor.localize_parameters` attaches) local squared sum is all-reduced over exactly the mesh dims it is *sharded* on
+* a DTensor's (or a local tensor-parallel shard's: `lightning_npu.parallel.tensor.sharding_of` says which)
+  local squared sum is all-reduced over exactly the mesh dims it is *sharded* on
   (``Replicate`` dims are not reduced, so replicas are not double-counted; pending ``Partial``
   gradients are reduced first);
 * the per-stage sums are then all-reduced over the ``pp`` group (stages hold disjoint parameters).
@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_npu.parallel.tensor import sharding_of
+
 try:  # DTensor is public from torch 2.5
     from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover
@@ -38,16 +40,6 @@ def _is_dtensor(t: object) -> bool:
 def local_tensor(t: Tensor) -> Tensor:
     """The part of `t` this rank holds (the tensor itself unless it is a DTensor)."""
     return t.to_local() if _is_dtensor(t) else t
-
-
-def sharding_of(p: Tensor) -> Optional[tuple[object, tuple]]:
-    """(mesh, placements) of a DTensor or of a localized tensor-parallel shard; None for plain tensors."""
-    if _is_dtensor(p):
-        return p.device_mesh, tuple(p.placements)
-    spec = getattr(p, "_lnpu_tp", None)
-    if spec is not None:
-        return spec.mesh, tuple(spec.placements)
-    return None
 
 
 def _is_sharded(placement: object) -> bool:

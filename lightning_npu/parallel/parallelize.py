@@ -85,7 +85,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
     ``localize`` (zero 0/1): the parameters become plain local shards that each module re-wraps as DTensors
     around its forward (DDP and the ZeRO-1 buckets reduce them like any tensor). Under zero 2/3 they stay
     DTensors, which FSDP2 makes 2-D ``(dp, tp)``. Either way the fused projections' layout is recorded as
-    ``model._lnpu_fused`` (FQN -> (dim, parts, tp)) for full-tensor state dicts.
+    `tensor.fused_layout` (FQN -> (dim, parts, tp)) for full-tensor state dicts.
     """
     from lightning_npu.parallel import tensor as tp
 
@@ -97,8 +97,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
         fused = tp.fused_parameters(model)  # read from the DTensor parameters, before localizing or FSDP2
         if localize:
             tp.localize_parameters(model)
-        model._lnpu_fused = fused
-    return [n for n, p in model.named_parameters() if getattr(p, "_lnpu_tp", None) is not None]
+        tp.set_fused_layout(model, fused)
+    return tp.tensor_parallel_parameter_names(model)
 
 
 def apply_ac(model: nn.Module, policy: Any) -> None:

@@ -597,8 +597,31 @@ class ShardSpec:
         return full.contiguous()
 
 
-def _spec_of(p: torch.Tensor) -> Optional[ShardSpec]:
+# ---- how a tp shard is represented: the other modules ask these, never the attributes ----------------
+def shard_spec(p: torch.Tensor) -> Optional[ShardSpec]:
+    """The full-tensor layout of a parameter held as a plain local tp shard (zero 0/1); None otherwise."""
     return getattr(p, "_lnpu_tp", None)
+
+
+def sharding_of(p: torch.Tensor) -> Optional[tuple[DeviceMesh, tuple]]:
+    """(mesh, placements) of a DTensor or of a local tp shard; None for a plain (replicated) tensor."""
+    if isinstance(p, DTensor):
+        return p.device_mesh, tuple(p.placements)
+    spec = shard_spec(p)
+    return (spec.mesh, tuple(spec.placements)) if spec is not None else None
+
+
+def tensor_parallel_parameter_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if shard_spec(p) is not None]
+
+
+def fused_layout(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """FQN -> (dim, parts, tp) of the fused projections kept rank-major (recorded when tp was applied)."""
+    return dict(getattr(model, "_lnpu_fused", None) or {})
+
+
+def set_fused_layout(model: nn.Module, fused: dict[str, tuple[int, int, int]]) -> None:
+    model._lnpu_fused = fused  # type: ignore[assignment]
 
 
 def localize_parameters(model: nn.Module) -> int:
@@ -638,7 +661,7 @@ def _to_local_params(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
-    return any(_spec_of(p) is not None for p in model.parameters())
+    return any(shard_spec(p) is not None for p in model.parameters())
 
 
 # ---- DTensor parameters kept as DTensors (ZeRO 2/3: FSDP2 over mesh["dp"] on top, 2-D (dp, tp)) --------
@@ -710,7 +733,7 @@ def full_state_dict(model: nn.Module, state_dict: Optional[dict[str, Any]] = Non
     params = _param_by_name(model)
     out = {}
     for key, value in state_dict.items():
-        spec = _spec_of(params[key]) if key in params else None
+        spec = shard_spec(params[key]) if key in params else None
         out[key] = spec.gather(value) if spec is not None else value
     return out
 
@@ -720,7 +743,7 @@ def shard_state_dict(model: nn.Module, full: dict[str, Any]) -> dict[str, Any]:
     params = _param_by_name(model)
     out = {}
     for key, value in full.items():
-        spec = _spec_of(params[key]) if key in params else None
+        spec = shard_spec(params[key]) if key in params else None
         out[key] = spec.shard(value) if spec is not None and isinstance(value, torch.Tensor) else value
     return out
 
@@ -737,7 +760,7 @@ def _map_optimizer_state(params: list[torch.Tensor], state_dict: dict[str, Any],
     out = dict(state_dict)
     new_state = {}
     for idx, per_param in state_dict["state"].items():
-        spec = _spec_of(params[idx])
+        spec = shard_spec(params[idx])
         if spec is None:
             new_state[idx] = per_param
             continue
