@@ -267,9 +267,11 @@ class BucketedGradientSync(GradientSync):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         self.buckets.enabled = False
-        with super().no_sync():
-            yield
-        self.buckets.enabled = True
+        try:
+            with super().no_sync():
+                yield
+        finally:
+            self.buckets.enabled = True
 
     def finish(self) -> None:
         if self.buckets.has_gradients():
