@@ -26,11 +26,17 @@ from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu.parallel import checkpoint as ckpt
+from lightning_npu.parallel import grad_norm as gn
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.full_state import load_full_state_dict
 from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
-from lightning_npu.parallel.optimizer import masters_as_parameters, unwrap_optimizer
+from lightning_npu.parallel.optimizer import (
+    MixedPrecisionOptimizer,
+    masters_as_parameters,
+    unwrap_optimizer,
+    wrap_lr_schedulers,
+)
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
 from lightning_npu.parallel.tensor import is_tensor_parallel, shard_optimizer_state_dict
 
@@ -302,9 +308,7 @@ class NPUHybridStrategy(DDPStrategy):
         """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
         the dp slices, same class and groups), sharing the precision plugin's loss scaler and given the pp group its
         gradient statistics sum over; step-interval LR schedulers skip after a skipped step."""
-        from lightning_npu.parallel import grad_norm as gn
         from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
-        from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, wrap_lr_schedulers
 
         plugin, cfg = self.precision_plugin, self.parallel_config
         scaler, pp_group = getattr(plugin, "scaler", None), gn.pipeline_group(self.device_mesh)
