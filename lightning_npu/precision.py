@@ -1,5 +1,8 @@
-"""`HybridPrecision`: bf16/fp16 compute with fp32 norms and softmax, fp32 master weights,
-dynamic loss scaling with an all-reduced overflow decision, and global gradient clipping.
+"""`HybridPrecision`: bf16/fp16 compute with fp32 norms and softmax, and the loss scale.
+
+The optimizer side (fp32 master weights, unscaling, the all-reduced overflow skip, global clipping and the
+gradient statistics) is `lightning_npu.parallel.optimizer.MixedPrecisionOptimizer`, which the ``npu_hybrid``
+strategy wraps every optimizer in; this plugin calls its parts in Lightning's order and shares the loss scaler.
 
 Precision modes (``Trainer(precision=...)``; the ``npu_hybrid`` strategy converts Lightning's own
 plugin into this one):
@@ -35,16 +38,16 @@ so they are not relied on):
   checkpointing) should use :meth:`HybridPrecision.recompute_context` for functional calls.
 
 Loss scaling and skipping: the loss is multiplied by the scale before backward; after backward the
-(fp32 master) gradients are unscaled and checked for inf/nan in one fused pass per device, and the
-decision is one MAX all-reduce over WORLD. On overflow every rank skips the optimizer step and the
-following step-interval LR-scheduler step; the scale then follows :class:`DynamicLossScaler`.
+optimizer wrapper unscales the (fp32 master) gradients and checks them for inf/nan in one fused pass per
+device, and the decision is one MAX all-reduce over WORLD. On overflow every rank skips the optimizer step and
+the following step-interval LR-scheduler step (`SkippableLRScheduler`); the scale then follows
+:class:`DynamicLossScaler`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Generator
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -61,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_npu.parallel import grad_norm as gn
+from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, unwrap_optimizer
 
 PrecisionName = Literal["bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true"]
 _SUPPORTED: tuple[str, ...] = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
@@ -277,32 +281,6 @@ def _unwrap_module(model: nn.Module) -> nn.Module:
     return m
 
 
-def _raw_optimizer(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
-def _scheduler_class(cls: type) -> type:
-    """A subclass of `cls` whose `step` is skipped right after a skipped optimizer step."""
-    if getattr(cls, "_lnpu_skippable", False):
-        return cls
-    cache = _scheduler_class.__dict__.setdefault("cache", {})
-    if cls not in cache:
-
-        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            plugin_ref = _SCHEDULER_PLUGINS.get(id(self))
-            plugin = plugin_ref() if plugin_ref is not None else None
-            if plugin is not None and plugin._consume_scheduler_skip(self):
-                return None
-            return cls.step(self, *args, **kwargs)
-
-        cache[cls] = type(cls.__name__, (cls,), {"step": step, "_lnpu_skippable": True, "__module__": cls.__module__,
-                                                 "__qualname__": cls.__qualname__})
-    return cache[cls]
-
-
-_SCHEDULER_PLUGINS: dict[int, "weakref.ref[HybridPrecision]"] = {}
-
-
 # ---------------------------------------------------------------------------------------------
 # the plugin
 # ---------------------------------------------------------------------------------------------
@@ -378,14 +356,6 @@ class HybridPrecision(Precision):
         self.skipped_steps = 0
         self.last_grad_norm: Optional[Tensor] = None
         self._pl_module: Optional[nn.Module] = None
-        self._masters: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(optimizer) -> [(param, master)]
-        self._master_order: list[int] = []
-        self._prepared: set[int] = set()
-        self._found_inf: dict[int, bool] = {}
-        self._grad_stats: dict[int, Tensor] = {}  # id(optimizer) -> this step's [norm, variance]
-        self._step_generation = 0
-        self._last_step_skipped = False
-        self._scheduler_seen: dict[int, int] = {}
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -449,68 +419,14 @@ class HybridPrecision(Precision):
 
     # ---- wiring into the strategy -------------------------------------------------------
     def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple:
+        # the optimizers are already `MixedPrecisionOptimizer`s (`NPUHybridStrategy.setup_optimizers`)
         self._pl_module = _unwrap_module(model)
-        optimizers = list(optimizers)
-        if self.master_weights:
-            for i, opt in enumerate(optimizers):
-                optimizers[i] = self._install_master_weights(opt, lr_schedulers)
-        if self.scaler is not None:
-            for config in lr_schedulers:
-                if getattr(config, "interval", "step") == "step" and not getattr(config, "reduce_on_plateau", False):
-                    sched = config.scheduler
-                    sched.__class__ = _scheduler_class(type(sched))
-                    _SCHEDULER_PLUGINS[id(sched)] = weakref.ref(self)
-                    self._scheduler_seen[id(sched)] = self._step_generation
         return model, optimizers, lr_schedulers
-
-    def _install_master_weights(self, optimizer: Optimizer, lr_schedulers: list[Any]) -> Optimizer:
-        raw = _raw_optimizer(optimizer)
-        if id(raw) in self._masters:
-            return optimizer
-        mapping: dict[int, Tensor] = {}
-        pairs: list[tuple[Tensor, Tensor]] = []
-        for group in raw.param_groups:
-            for p in group["params"]:
-                if p.dtype in _HALF and id(p) not in mapping:
-                    master = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
-                    for attr, value in vars(p).items():  # e.g. the tensor-parallel shard spec `_lnpu_tp`
-                        if attr.startswith("_lnpu"):
-                            setattr(master, attr, value)
-                    mapping[id(p)] = master
-                    pairs.append((p, master))
-        if not pairs:
-            return optimizer
-        if raw.state:
-            raw.state = type(raw.state)({mapping.get(id(p), p): s for p, s in raw.state.items()})
-        for group in raw.param_groups:
-            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
-        self._masters[id(raw)] = pairs
-        self._master_order.append(id(raw))
-        return optimizer
 
     # ---- backward and step --------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
         tensor = super().pre_backward(tensor, module)  # `on_before_backward` sees the training loss, not loss x scale
         return tensor * self.scaler.scale if self.scaler is not None else tensor
-
-    def _prepare_grads(self, optimizer: Any) -> bool:
-        """Master grads from model grads, unscale, all-reduced overflow check (once per step)."""
-        raw = _raw_optimizer(optimizer)
-        if id(raw) in self._prepared:
-            return self._found_inf.get(id(raw), False)
-        for p, master in self._masters.get(id(raw), ()):
-            master.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
-            p.grad = None
-        found = False
-        if self.scaler is not None:
-            params = list(self.main_params(raw))
-            grads = [p.grad for p in params if p.grad is not None]
-            device = gn.local_tensor(grads[0] if grads else params[0]).device if params else torch.device("cpu")
-            local = gn.unscale_and_check_(grads, 1.0 / self.scaler.scale, device)
-            found = gn.all_ranks_found_inf(local)
-        self._prepared.add(id(raw))
-        self._found_inf[id(raw)] = found
-        return found
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -519,9 +435,12 @@ class HybridPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
+        """Lightning's order around the wrapper's parts: backward (the closure), unscale and the all-rank overflow
+        check, `on_before_optimizer_step` and clipping, then the step (skipped on every rank after an overflow)."""
         import lightning.pytorch as pl
 
-        if self.scaler is not None and isinstance(optimizer, LBFGS):
+        opt = _mixed_precision_optimizer(optimizer)
+        if self.scaler is not None and isinstance(opt.optimizer, LBFGS):
             raise ValueError(
                 "HybridPrecision loss scaling does not support LBFGS (it re-evaluates the closure); "
                 "pass HybridPrecision(loss_scale=None) or use another optimizer."
@@ -529,44 +448,17 @@ class HybridPrecision(Precision):
         if isinstance(model, pl.LightningModule):
             self._pl_module = model
         closure_result = closure()
-        raw = _raw_optimizer(optimizer)
         automatic = isinstance(model, pl.LightningModule) and model.automatic_optimization
         if closure_result is None and automatic:  # training_step returned None: no backward, no step
-            self._prepared.discard(id(raw))
-            self._grad_stats.pop(id(raw), None)
             return closure_result
         self.last_grad_norm = None
-        found_inf = self._prepare_grads(raw)
+        opt.prepare_grads()
         self._after_closure(model, optimizer)
-        step_output = None
-        if found_inf:
+        step_output = opt.step(**kwargs)
+        if opt.step_skipped:
             self.skipped_steps += 1
-        else:
-            step_output = raw.step(**kwargs)
-            self._copy_masters_to_params(raw)
-        self._last_step_skipped = found_inf
-        self._step_generation += 1
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        self._prepared.discard(id(raw))
-        self._grad_stats.pop(id(raw), None)
         self._log(model)
         return step_output
-
-    def _copy_masters_to_params(self, raw: Any) -> None:
-        pairs = self._masters.get(id(raw))
-        if not pairs:
-            return
-        with torch.no_grad():
-            for p, master in pairs:
-                p.copy_(master)
-
-    def _consume_scheduler_skip(self, scheduler: Any) -> bool:
-        key = id(scheduler)
-        if self._scheduler_seen.get(key) == self._step_generation:
-            return False
-        self._scheduler_seen[key] = self._step_generation
-        return self._last_step_skipped
 
     def _log(self, model: Any) -> None:
         import lightning.pytorch as pl
@@ -584,9 +476,10 @@ class HybridPrecision(Precision):
         from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
         from lightning.pytorch.utilities import GradClipAlgorithmType
 
-        if clip_val and clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(optimizer):
+        user_optimizer = _mixed_precision_optimizer(optimizer).optimizer
+        if clip_val and clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(user_optimizer):
             raise RuntimeError(
-                f"{type(optimizer).__qualname__} unscales gradients itself (a 'fused' optimizer), so it cannot be "
+                f"{type(user_optimizer).__qualname__} unscales gradients itself (a 'fused' optimizer), so it cannot be "
                 "combined with gradient clipping under loss scaling; use a non-fused optimizer or loss_scale=None."
             )
         algorithm = gradient_clip_algorithm if gradient_clip_algorithm is not None else GradClipAlgorithmType.NORM
@@ -594,96 +487,36 @@ class HybridPrecision(Precision):
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the global fp32 L2 norm of the unscaled gradients over all ranks (logged as ``grad_norm``)."""
-        raw = _raw_optimizer(optimizer)
-        if self._prepare_grads(raw):
-            return  # overflow: this step is skipped on every rank
-        total = self.gradient_statistics(raw)[0]
-        gn.clip_grads_by_total_norm_(list(self.main_params(raw)), float(clip_val), total)
-        self.last_grad_norm = total
-
-    def gradient_statistics(self, optimizer: Any) -> Tensor:
-        """This step's fp32 ``[global grad norm, element variance]`` of the unscaled gradients `optimizer` steps.
-
-        Computed once per step (clipping, the logged ``grad_norm`` and GradientHealthGuard share it); call on
-        every rank. Inside `on_before_optimizer_step` the gradients are already unscaled.
-        """
-        raw = _raw_optimizer(optimizer)
-        self._prepare_grads(raw)
-        if id(raw) not in self._grad_stats:
-            self._grad_stats[id(raw)] = gn.gradient_statistics(self.main_params(raw), pp_group=self._pp_group())
-        return self._grad_stats[id(raw)]
+        total = _mixed_precision_optimizer(optimizer).clip_grad_norm_(float(clip_val))
+        if total is not None:
+            self.last_grad_norm = total
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        raw = _raw_optimizer(optimizer)
-        if self._prepare_grads(raw):
-            return
-        super().clip_grad_by_value(raw, clip_val)
-
-    def _pp_group(self) -> Any:
-        return gn.pipeline_group(getattr(self._pl_module, "_device_mesh", None))
+        _mixed_precision_optimizer(optimizer).clip_grad_value_(float(clip_val))
 
     # ---- checkpointing ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def masters_as_parameters(self, module: nn.Module) -> Generator[None, None, None]:
-        """While inside, `module`'s 16-bit parameters are replaced by their fp32 master copies (``*-true``).
-
-        The optimizer steps the masters, which are not module parameters, so FQN-keyed state-dict APIs
-        (``torch.distributed.checkpoint.state_dict``, used for sharded checkpoints) cannot key the optimizer
-        state by parameter name. Inside this context they can, and the module's state dict holds the fp32
-        masters: the exact weights, reshardable like any other tensor and loadable by a ``32-true``/``*-mixed``
-        run. On exit the 16-bit parameters are put back and refreshed from the masters (a no-op after a save,
-        the restored weights after a load). A no-op without master weights.
-        """
-        by_param = {id(p): master for key in self._master_order for p, master in self._masters[key]}
-        swapped: list[tuple[nn.Module, str, Tensor]] = []
-        if by_param:
-            for sub in module.modules():
-                for name, p in list(sub._parameters.items()):
-                    if p is not None and id(p) in by_param:
-                        sub._parameters[name] = by_param[id(p)]
-                        swapped.append((sub, name, p))
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for sub, name, p in swapped:
-                    master = sub._parameters[name]
-                    sub._parameters[name] = p
-                    p.copy_(master)
-
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"precision": self.precision, "skipped_steps": self.skipped_steps}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
-        if self._masters:
-            state["master_weights"] = [
-                [m.detach().clone() for _, m in self._masters[key]] for key in self._master_order
-            ]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # (checkpoints written before the optimizer wrapper also hold "master_weights": the same fp32 masters the
+        # model state restores)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-        saved = state_dict.get("master_weights")
-        if saved is None or not self._masters:
-            return  # masters were derived from the restored (16-bit) parameters in `connect`
-        if len(saved) != len(self._master_order):
-            raise ValueError(
-                f"The checkpoint holds master weights for {len(saved)} optimizers but this run has "
-                f"{len(self._master_order)}; resume with the same `configure_optimizers`."
-            )
-        with torch.no_grad():
-            for key, tensors in zip(self._master_order, saved):
-                pairs = self._masters[key]
-                if len(tensors) != len(pairs):
-                    raise ValueError(
-                        f"The checkpoint holds {len(tensors)} master weights for an optimizer with {len(pairs)} "
-                        "16-bit parameters; resume with the same model and optimizer parameter groups."
-                    )
-                for (p, master), t in zip(pairs, tensors):
-                    master.copy_(t.to(gn.local_tensor(master).device) if not hasattr(t, "device_mesh") else t)
-                    p.copy_(master)
+
+
+def _mixed_precision_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
+    opt = unwrap_optimizer(optimizer)
+    if not isinstance(opt, MixedPrecisionOptimizer):
+        raise TypeError(
+            f"HybridPrecision steps optimizers through lightning_npu.parallel.optimizer.MixedPrecisionOptimizer, "
+            f"which the npu_hybrid strategy installs; got {type(opt).__name__}. Use Trainer(strategy='npu_hybrid')."
+        )
+    return opt
 
 
 def as_hybrid_precision(plugin: Optional[Precision], device: Optional[str]) -> Optional[Precision]:

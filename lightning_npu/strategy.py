@@ -19,7 +19,6 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,10 +26,17 @@ from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu.parallel import checkpoint as ckpt
+from lightning_npu.parallel import grad_norm as gn
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.full_state import load_full_state_dict
 from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
+from lightning_npu.parallel.optimizer import (
+    MixedPrecisionOptimizer,
+    masters_as_parameters,
+    unwrap_optimizer,
+    wrap_lr_schedulers,
+)
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
 from lightning_npu.parallel.tensor import is_tensor_parallel, shard_optimizer_state_dict
 
@@ -294,33 +300,33 @@ class NPUHybridStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
+        self._wrap_optimizers()
         if self.parallel_config.uses_distributed_optimizer:
-            self._shard_optimizer_states()
             self._grad_sync.bind(self._distributed_optimizers())
 
-    def _shard_optimizer_states(self) -> None:
-        """ZeRO-1: each optimizer becomes a `DistributedOptimizer` over its dp slices (same class and groups)."""
+    def _wrap_optimizers(self) -> None:
+        """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
+        the dp slices, same class and groups), sharing the precision plugin's loss scaler and given the pp group its
+        gradient statistics sum over; step-interval LR schedulers skip after a skipped step."""
         from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
 
-        sharded = []
-        for optimizer in self.optimizers:
-            inner = _unwrap(optimizer)
-            if isinstance(inner, DistributedOptimizer):
-                sharded.append(inner)
-                continue
-            zero = DistributedOptimizer(
-                inner, self.lightning_module, self.device_mesh, self.parallel_config.bucket_size_mb,
-                # under pp the schedule runs backward per micro-batch: reduce once, after it (`backward`)
-                overlap=self.parallel_config.pipeline_parallel_size == 1,
-            )
-            for config in self.lr_scheduler_configs:
-                if config.scheduler.optimizer is inner:
-                    config.scheduler.optimizer = zero
-                    # the scheduler's "optimizer.step() before lr_scheduler.step()" check reads this flag,
-                    # which only the optimizer it was built on sets.
-                    zero._opt_called = True
-            sharded.append(zero)
-        self.optimizers = sharded
+        plugin, cfg = self.precision_plugin, self.parallel_config
+        scaler, pp_group = getattr(plugin, "scaler", None), gn.pipeline_group(self.device_mesh)
+        wrappers: dict[int, MixedPrecisionOptimizer] = {}
+        for optimizer in map(_unwrap, self.optimizers):
+            if isinstance(optimizer, MixedPrecisionOptimizer):
+                wrappers[id(optimizer)] = optimizer
+            elif cfg.uses_distributed_optimizer:
+                wrappers[id(optimizer)] = DistributedOptimizer(
+                    optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
+                    # under pp the schedule runs backward per micro-batch: reduce once, after it (`backward`)
+                    overlap=cfg.pipeline_parallel_size == 1, scaler=scaler, pp_group=pp_group,
+                )
+            else:
+                wrappers[id(optimizer)] = MixedPrecisionOptimizer(
+                    optimizer, scaler, pp_group, master_weights=bool(getattr(plugin, "master_weights", False)))
+        self.optimizers = list(wrappers.values())
+        wrap_lr_schedulers(self.lr_scheduler_configs, wrappers)
 
     # ---- pipeline parallelism (lightning_npu.parallel.pipeline) ------------------------------
     def _plan_pipeline(self) -> Any:
@@ -387,9 +393,8 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _masters_as_parameters(self) -> Any:
         """bf16/16-true: the fp32 master weights stand in for the 16-bit parameters, so that DCP's FQN-keyed state
-        dicts see the tensors the optimizer steps (`HybridPrecision.masters_as_parameters`)."""
-        swap = getattr(self.precision_plugin, "masters_as_parameters", None)
-        return swap(self.lightning_module) if swap is not None else nullcontext()
+        dicts see the tensors the optimizer steps (`lightning_npu.parallel.optimizer.masters_as_parameters`)."""
+        return masters_as_parameters(self.lightning_module, self.optimizers)
 
     def _writer(self) -> ckpt.ShardedCheckpointWriter:
         if self._ckpt_writer is None:
@@ -481,8 +486,7 @@ class NPUHybridStrategy(DDPStrategy):
         return resumable_dataloader(dataloader)
 
 
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+_unwrap = unwrap_optimizer
 
 
 @functools.cache

@@ -26,13 +26,12 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def master_weights(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """HybridPrecision's fp32 master copies (*-true), keyed by their parameter's name (this rank's tensors)."""
-    plugin = trainer.precision_plugin
+    """The optimizer wrappers' fp32 master copies (*-true), keyed by their parameter's name (this rank's tensors)."""
     names = {id(p): n for n, p in trainer.lightning_module.named_parameters()}
     zero1 = trainer.strategy._distributed_optimizers()
     if zero1:  # ZeRO-1 keeps them itself: this rank's fp32 slices
         return {n: m.to_local().detach().clone() for opt in zero1 for n, m in opt.master_state_dict().items()}
-    local = {names[id(p)]: m for key in plugin._master_order for p, m in plugin._masters[key]}
+    local = {names[id(p)]: m for opt in trainer.strategy.optimizers for p, m in opt.master_pairs}
     return {n: (m.to_local() if hasattr(m, "to_local") else m).detach().clone() for n, m in local.items()}
 
 

@@ -79,7 +79,7 @@ def test_tp2_sequence_parallel_matches_single_process():
 def test_dp2_tp2_matches_single_process(zero_stage):
     ranks = spawn(train_tp, 4, 4, 8, 5, {"zero_stage": zero_stage, "tensor_parallel_size": 2})
     assert ranks[0]["mesh"] == (1, 2, 2)
-    assert ranks[0]["optimizer"] == ("DistributedOptimizer" if zero_stage == 1 else "AdamW")
+    assert ranks[0]["optimizer"] == ("DistributedOptimizer" if zero_stage == 1 else "MixedPrecisionOptimizer")
     assert_parity(ranks, reference("gpt"))
 
 

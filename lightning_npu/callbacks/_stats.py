@@ -1,7 +1,8 @@
 """The guards' view of a step's statistics: the same numbers the strategy clips and logs.
 
-Under `HybridPrecision` the plugin computes the step's gradient statistics once and shares them; under
-any other precision plugin (plain DDP, FSDP, ...) they come from the same function,
+Under ``npu_hybrid`` the optimizer wrapper (`lightning_npu.parallel.optimizer.MixedPrecisionOptimizer`)
+computes the step's gradient statistics once and shares them; under any other strategy (plain DDP, FSDP, ...)
+they come from the same function,
 `lightning_npu.parallel.grad_norm.gradient_statistics`, which counts tp shards, FSDP/ZeRO slices and
 pipeline stages once.
 """
@@ -13,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from lightning_npu.parallel import grad_norm as gn
+from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, unwrap_optimizer
 
 
 def _pp_group(pl_module: Any) -> Any:
@@ -25,9 +27,9 @@ def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
 
 def gradient_statistics(trainer: Any, pl_module: Any, optimizer: Any) -> torch.Tensor:
     """fp32 ``[global grad norm, element variance]`` of the unscaled gradients `optimizer` steps. Collective."""
-    shared = getattr(trainer.precision_plugin, "gradient_statistics", None)
-    if callable(shared):
-        return shared(optimizer)
+    wrapper = unwrap_optimizer(optimizer)
+    if isinstance(wrapper, MixedPrecisionOptimizer):
+        return wrapper.gradient_statistics()
     return gn.gradient_statistics(optimizer_params(optimizer), _pp_group(pl_module))
 
 

@@ -63,6 +63,7 @@ from torch.optim import Optimizer
 
 from lightning_npu.parallel import commit as _commit
 from lightning_npu.parallel.commit import CommitRequest, new_token, temp_path  # noqa: F401  (public here too)
+from lightning_npu.parallel.optimizer import unwrap_optimizer
 from lightning_npu.parallel.tensor import fused_layout, shard_spec
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,6 @@ class CheckpointMismatchError(RuntimeError):
 
 
 # ---- layout-independent state dicts ----------------------------------------------------------
-def _local_optimizer(optimizer: Optimizer) -> Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-
-
 def _tp_specs(module: torch.nn.Module) -> dict[str, Any]:
     """FQN -> ShardSpec of tensor-parallel parameters held as plain local shards (ZeRO 0/1 under TP)."""
     return {n: shard_spec(p) for n, p in module.named_parameters(remove_duplicate=False) if shard_spec(p) is not None}
@@ -111,7 +108,7 @@ def model_state_dict(module: torch.nn.Module, optimizers: Iterable[Optimizer] = 
     """
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
     params = dict(module.named_parameters(remove_duplicate=False))
-    masters = [o for o in map(_local_optimizer, optimizers) if hasattr(o, "master_of")]
+    masters = [o for o in map(unwrap_optimizer, optimizers) if hasattr(o, "master_of")]
     specs = _tp_specs(module)
     for key, value in sd.items():
         param = params.get(key)
@@ -125,7 +122,7 @@ def model_state_dict(module: torch.nn.Module, optimizers: Iterable[Optimizer] = 
 
 def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 slices, FSDP shards, or TP local shards)."""
-    local = _local_optimizer(optimizer)
+    local = unwrap_optimizer(optimizer)
     if hasattr(local, "sharded_state_dict"):
         return local.sharded_state_dict()  # ZeRO-1 DistributedOptimizer: DTensor slices
     osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
@@ -165,14 +162,14 @@ def load_model_state(module: torch.nn.Module, templates: dict[str, Any], loaded:
     masters = [k for k, t in templates.items() if getattr(t, "_lnpu_master", False)]
     rest = {k: v for k, v in settled.items() if k not in masters}
     set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
-    for opt in map(_local_optimizer, optimizers):
+    for opt in map(unwrap_optimizer, optimizers):
         if hasattr(opt, "gather_parameters"):
             opt.gather_parameters()  # masters were loaded: rebuild the replicated parameters from them
 
 
 def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: dict[str, Any],
                          templates: Optional[dict[str, Any]] = None) -> None:
-    local = _local_optimizer(optimizer)
+    local = unwrap_optimizer(optimizer)
     state = _settle(templates if templates is not None else state, state)
     if hasattr(local, "load_sharded_state_dict"):
         local.load_sharded_state_dict(state)
@@ -646,11 +643,6 @@ def split_checkpoint(checkpoint: dict[str, Any], precision_plugin: Any) -> tuple
     """Lightning's checkpoint dict -> (DCP tensors: model and optimizer states, rank 0's ``meta.pt`` rest)."""
     meta = dict(checkpoint)
     tensors = {MODEL_KEY: meta.pop("state_dict")}
-    precision_key = type(precision_plugin).__qualname__
-    if isinstance(meta.get(precision_key), dict) and hasattr(precision_plugin, "masters_as_parameters"):
-        # the fp32 master weights are the model tensors above (sharded, reshardable): not again, as rank 0's
-        # unsharded copies, in meta.pt
-        meta[precision_key] = {k: v for k, v in meta[precision_key].items() if k != "master_weights"}
     for i, state in enumerate(meta.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
     return tensors, meta

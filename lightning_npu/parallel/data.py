@@ -241,7 +241,9 @@ def gradient_bytes(module: torch.nn.Module) -> int:
 
 def sharded_optimizer_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its ZeRO shard, or everything when unsharded)."""
-    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    from lightning_npu.parallel.optimizer import unwrap_optimizer
+
+    inner = unwrap_optimizer(optimizer)
     total = 0
     for state in inner.state.values():
         for value in state.values():

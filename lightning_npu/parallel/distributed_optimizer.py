@@ -10,7 +10,9 @@ A step is Megatron's distributed-optimizer step:
    hook as soon as its last gradient is ready, so communication overlaps the rest of backward;
    accumulating micro-steps communicate nothing;
 2. the user's optimizer (its class and hyper-parameters, re-created over the slices) steps the
-   fp32 master slices, which carry the reduced gradient slices;
+   fp32 master slices, which carry the reduced gradient slices; unscaling, the all-rank overflow skip,
+   clipping and the gradient statistics are those of `lightning_npu.parallel.optimizer.MixedPrecisionOptimizer`,
+   which this class extends (one master-weight scheme: here the slices are the masters);
 3. the updated slices are all-gathered (``dist.all_gather_single``) back into the parameters,
    in their own dtype (bf16 parameters get fp32 masters for free: the slice is the master).
 
@@ -39,6 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.grad_sync import GradientBuckets
+from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
 from lightning_npu.parallel.tensor import shard_spec
 
 
@@ -55,7 +58,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
 )
 
 
-class DistributedOptimizer(Optimizer):
+class DistributedOptimizer(MixedPrecisionOptimizer):
     """Wraps the user's optimizer for ZeRO stage 1 (see the module docstring).
 
     `param_groups` hold the DTensor slices with the user's hyper-parameters: LR schedulers, clipping and
@@ -71,9 +74,11 @@ class DistributedOptimizer(Optimizer):
         mesh: DeviceMesh,
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
+        scaler: Optional[Any] = None,
+        pp_group: Optional[Any] = None,
     ) -> None:
-        if isinstance(optimizer, DistributedOptimizer):
-            raise ValueError("The optimizer is already a DistributedOptimizer.")
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise ValueError(f"The optimizer is already a {type(optimizer).__name__}.")
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             raise ValueError(
                 f"zero_stage=1 steps each rank's slice of every parameter, which is only correct for element-wise "
@@ -134,11 +139,9 @@ class DistributedOptimizer(Optimizer):
         public = [{**h, "params": [self._shard_of[id(p)] for p in g["params"]]}
                   for h, g in zip(hparams, optimizer.param_groups)]
         self.model_params = params
-        # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the inner optimizer's groups/state
-        Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
+        # `state` is the inner optimizer's (keyed by the local views: plain tensors of this rank's slices)
+        MixedPrecisionOptimizer.__init__(self, self.inner, scaler=scaler, pp_group=pp_group)
         self.param_groups = public
-        self.state = self.inner.state  # keyed by the local views: plain tensors of this rank's slices
-        self.defaults = self.inner.defaults
 
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
@@ -199,7 +202,10 @@ class DistributedOptimizer(Optimizer):
                 else:
                     s.param.copy_(part.reshape(self.dp * s.chunk_rows, *s.param.shape[1:])[:rows])
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def _copy_model_grads_to_main_grads(self) -> None:
+        pass  # `finish_gradient_sync` attached the reduce-scattered slices to the masters
+
+    def _step_main_params(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -208,13 +214,11 @@ class DistributedOptimizer(Optimizer):
             local.update({k: v for k, v in public.items() if k != "params"})  # lr from schedulers, ...
             for master, view in zip(public["params"], local["params"]):
                 view.grad = None if master.grad is None else master.grad.to_local()  # None: skipped (frozen, guard)
-        self.inner.step()
-        self.gather_parameters()
+        self.inner.step(**kwargs)
         return loss
 
-    # LR schedulers built on the user's optimizer are re-pointed here; torch checks that they wrap `step` to warn
-    # about a scheduler stepping first, an order Lightning's loop already guarantees
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    def _copy_main_params_to_model_params(self) -> None:
+        self.gather_parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them

@@ -8,7 +8,6 @@ optimizer steps.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -18,17 +17,21 @@ from torch.distributed.tensor import DTensor
 
 from lightning_npu.parallel import grad_norm as gn
 from lightning_npu.parallel import tensor as tp
+from lightning_npu.parallel.optimizer import masters_as_parameters, unwrap_optimizer
 
 
 def _has_dtensor_params(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
+def _optimizers(module: nn.Module) -> list[Any]:
+    trainer = getattr(module, "_trainer", None)
+    return list(getattr(getattr(trainer, "strategy", None), "optimizers", None) or ())
+
+
 def _masters_as_parameters(module: nn.Module) -> Any:
     """bf16/16-true: the fp32 master weights are the exact weights; read and write those."""
-    trainer = getattr(module, "_trainer", None)
-    swap = getattr(getattr(trainer, "precision_plugin", None), "masters_as_parameters", None)
-    return swap(module) if swap is not None else nullcontext()
+    return masters_as_parameters(module, _optimizers(module))
 
 
 def _local_full_state(module: nn.Module) -> dict[str, Any]:
@@ -102,8 +105,6 @@ def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool 
 def _refresh_distributed_optimizers(module: nn.Module) -> None:
     from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
 
-    trainer = getattr(module, "_trainer", None)
-    for opt in getattr(getattr(trainer, "strategy", None), "optimizers", None) or ():
-        opt = getattr(opt, "_optimizer", opt)
+    for opt in map(unwrap_optimizer, _optimizers(module)):
         if isinstance(opt, DistributedOptimizer):
             opt.refresh_masters_from_parameters()

@@ -9,10 +9,11 @@ A training step under ``npu_hybrid``, one call each (the strategy's Lightning ho
 3. loss: `F.cross_entropy` on vocab-sharded logits runs as `tensor.vocab_parallel_cross_entropy`;
 4. backward: `HybridPrecision.backward` of loss x scale (the schedule's, under pp);
 5. gradient sync: `Parallelized.grad_sync.finish()`; every bucket goes through `grad_sync.reduce_bucket`;
-6. clip: `HybridPrecision.clip_gradients`: unscale, all-rank overflow check, the global norm of
-   `grad_norm.gradient_statistics` (which the guards and the logged ``grad_norm`` read too);
-7. step: the user's optimizer on fp32 weights (ZeRO-1: `DistributedOptimizer.step` on the dp slices,
-   then an all-gather of the parameters);
+6. clip: `optimizer.MixedPrecisionOptimizer.clip_grad_norm_` (HybridPrecision calls it after
+   `prepare_grads`: unscale, all-rank overflow check): the global norm of `grad_norm.gradient_statistics`,
+   computed once per step (the guards and the logged ``grad_norm`` read it too);
+7. step: `MixedPrecisionOptimizer.step`, the user's optimizer on the fp32 masters, then the model's parameters
+   refreshed from them (ZeRO-1: `DistributedOptimizer`, its subclass, steps the dp slices and all-gathers);
 8. checkpoint: `checkpoint` writes DCP shards and commits them once, atomically.
 
 `parallelize` applies, in this order: fused ops, tensor parallelism, activation checkpointing, the

@@ -1,0 +1,287 @@
+"""The mixed-precision optimizer: one wrapper prepares, checks, clips and applies every optimizer step.
+
+Modelled on Megatron-core's ``MixedPrecisionOptimizer`` (which its distributed optimizer extends, as
+`lightning_npu.parallel.distributed_optimizer.DistributedOptimizer` extends this class). The strategy wraps each
+optimizer in `setup_optimizers`; `HybridPrecision` only scales the loss and calls the parts in Lightning's order:
+
+1. :meth:`MixedPrecisionOptimizer.prepare_grads` after backward: the stepped fp32 "main" parameters get this step's
+   gradients (copied from the 16-bit model parameters under ``bf16-true``/``16-true``; ZeRO-1's fp32 slices already
+   hold their reduce-scattered share), which are unscaled and checked for inf/nan in one pass per device; the
+   decision is one MAX all-reduce over every rank (a per-rank decision deadlocks sharded optimizers);
+2. :meth:`~MixedPrecisionOptimizer.gradient_statistics`: the step's global norm and variance, computed once and
+   read by clipping, the logged ``grad_norm`` and the health guards;
+3. :meth:`~MixedPrecisionOptimizer.clip_grad_norm_` (or ``clip_grad_value_``);
+4. :meth:`~MixedPrecisionOptimizer.step`: skipped on every rank after an overflow, else the user's optimizer
+   steps the main parameters and the model parameters are refreshed from them; the loss scaler learns the outcome.
+
+`SkippableLRScheduler` skips a step-interval LR scheduler's ``step()`` right after a skipped optimizer step, so the
+schedule counts applied updates. It forwards everything else to the user's scheduler, whose class and state dict
+stay untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterable
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_npu.parallel import grad_norm as gn
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The strategy's optimizer behind Lightning's `LightningOptimizer` (itself otherwise)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _install_masters(optimizer: Optimizer) -> list[tuple[Tensor, nn.Parameter]]:
+    """Put an fp32 master copy in place of every 16-bit parameter in `optimizer`'s groups (and state)."""
+    mapping: dict[int, nn.Parameter] = {}
+    pairs: list[tuple[Tensor, nn.Parameter]] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.dtype in _HALF and id(p) not in mapping:
+                master = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+                for attr, value in vars(p).items():  # e.g. the tensor-parallel shard spec: the norm counts it
+                    if attr.startswith("_lnpu"):
+                        setattr(master, attr, value)
+                mapping[id(p)] = master
+                pairs.append((p, master))
+    if not pairs:
+        return pairs
+    if optimizer.state:
+        optimizer.state = type(optimizer.state)({mapping.get(id(p), p): s for p, s in optimizer.state.items()})
+    for group in optimizer.param_groups:
+        group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+    return pairs
+
+
+class MixedPrecisionOptimizer(Optimizer):
+    """Wraps the user's optimizer (see the module docstring).
+
+    Args:
+        optimizer: the user's optimizer; its ``param_groups`` and ``state`` are shared, not copied, so LR
+            schedulers, clipping and checkpoints act on what is stepped.
+        scaler: the loss scaler `HybridPrecision` multiplies into the loss (shared); ``None``: no unscaling and no
+            overflow check.
+        pp_group: the pipeline group the gradient statistics sum over (stages hold disjoint parameters).
+        master_weights: step fp32 master copies of the 16-bit parameters (``bf16-true``/``16-true``).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        scaler: Optional[Any] = None,
+        pp_group: Optional[Any] = None,
+        master_weights: bool = False,
+    ) -> None:
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            raise ValueError(f"The optimizer is already a {type(optimizer).__name__}.")
+        self.scaler = scaler
+        self.pp_group = pp_group
+        # (16-bit model parameter, fp32 master) for each parameter the user's optimizer steps as a master
+        self.master_pairs = _install_masters(optimizer) if master_weights else []
+        self.steps = 0  # training steps taken or skipped (what `SkippableLRScheduler` compares against)
+        self.step_skipped = False  # the last training step's overflow decision
+        self._found_inf: Optional[bool] = None  # None until `prepare_grads` in this step
+        self._stats: Optional[Tensor] = None
+        # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the user's groups and state
+        Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
+        self.optimizer = optimizer
+        self._share_state()
+
+    def _share_state(self) -> None:
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
+
+    def main_params(self) -> list[Tensor]:
+        """What the step updates, in the optimizer's order: fp32 masters, ZeRO-1 slices or the fp32 parameters."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    # ---- the step's parts, in order ------------------------------------------------------------
+    def prepare_grads(self) -> bool:
+        """Main gradients from the model's, unscaled; True when any rank saw inf/nan. Once per step; collective."""
+        if self._found_inf is None:
+            self._copy_model_grads_to_main_grads()
+            found = False
+            if self.scaler is not None:
+                params = self.main_params()
+                grads = [p.grad for p in params if p.grad is not None]
+                device = gn.local_tensor(grads[0] if grads else params[0]).device if params else torch.device("cpu")
+                found = gn.all_ranks_found_inf(gn.unscale_and_check_(grads, 1.0 / self.scaler.scale, device))
+            self._found_inf = found
+        return self._found_inf
+
+    def gradient_statistics(self) -> Tensor:
+        """This step's fp32 ``[global grad norm, element variance]`` of the unscaled main gradients.
+
+        Computed once per step (clipping, the logged ``grad_norm`` and GradientHealthGuard share it); collective.
+        """
+        self.prepare_grads()
+        if self._stats is None:
+            self._stats = gn.gradient_statistics(self.main_params(), pp_group=self.pp_group)
+        return self._stats
+
+    def clip_grad_norm_(self, max_norm: float) -> Optional[Tensor]:
+        """Clip by the global norm; returns it (None on an overflowing step, which every rank skips)."""
+        if self.prepare_grads():
+            return None
+        total = self.gradient_statistics()[0]
+        gn.clip_grads_by_total_norm_(self.main_params(), float(max_norm), total)
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        if not self.prepare_grads():
+            torch.nn.utils.clip_grad_value_(self.main_params(), clip_value=clip_value)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        """Skip on overflow, else step the main parameters and copy them into the model's.
+
+        Outside a training step (no `prepare_grads` since the last step, e.g. DCP initialising optimizer state
+        with zero gradients) this is the user's plain step: nothing is unscaled or counted and the scaler is left
+        alone.
+        """
+        found_inf = self._found_inf
+        out = None
+        if not found_inf:
+            out = self._step_main_params(closure, **kwargs)
+            self._copy_main_params_to_model_params()
+        if found_inf is not None:
+            if self.scaler is not None:
+                self.scaler.update(found_inf)
+            self.steps += 1
+            self.step_skipped = found_inf
+            self._found_inf = None
+            self._stats = None
+        return out
+
+    # LR schedulers are re-pointed here; torch checks that their optimizer's `step` is wrapped to warn about a
+    # scheduler stepping first, an order Lightning's loop already guarantees
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p, _ in self.master_pairs:  # the 16-bit gradients, when no step consumed them
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    # ---- what a subclass changes (ZeRO-1) -------------------------------------------------------
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for p, master in self.master_pairs:
+            master.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
+            p.grad = None
+
+    def _step_main_params(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        for p, master in self.master_pairs:
+            p.copy_(master)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self._share_state()  # torch rebinds `state` and `param_groups` on load
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+@contextlib.contextmanager
+def masters_as_parameters(module: nn.Module, optimizers: Iterable[Any]) -> Generator[None, None, None]:
+    """While inside, `module`'s 16-bit parameters are replaced by their fp32 master copies (``*-true``).
+
+    The optimizer steps the masters, which are not module parameters, so FQN-keyed state-dict APIs
+    (``torch.distributed.checkpoint.state_dict``, used for sharded checkpoints) cannot key the optimizer state by
+    parameter name. Inside this context they can, and the module's state dict holds the fp32 masters: the exact
+    weights, reshardable like any other tensor and loadable by a ``32-true``/``*-mixed`` run. On exit the 16-bit
+    parameters are put back and refreshed from the masters (a no-op after a save, the restored weights after a
+    load). A no-op without master weights (ZeRO-1's slices are handled by the checkpoint code itself).
+    """
+    by_param = {id(p): m for o in optimizers for p, m in getattr(unwrap_optimizer(o), "master_pairs", ())}
+    swapped: list[tuple[nn.Module, str, Tensor]] = []
+    if by_param:
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None and id(p) in by_param:
+                    sub._parameters[name] = by_param[id(p)]
+                    swapped.append((sub, name, p))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for sub, name, p in swapped:
+                master = sub._parameters[name]
+                sub._parameters[name] = p
+                p.copy_(master)
+
+
+class SkippableLRScheduler:
+    """The user's LR scheduler, whose ``step()`` is skipped right after a skipped optimizer step.
+
+    Everything else (``state_dict``, ``load_state_dict``, ``get_last_lr``, attributes) is the scheduler's own, so
+    checkpoints are unchanged. A wrapper rather than a rewritten class: the user's scheduler object keeps its class.
+    """
+
+    _OWN = ("scheduler", "_optimizer", "_seen")
+
+    def __init__(self, scheduler: Any, optimizer: MixedPrecisionOptimizer) -> None:
+        object.__setattr__(self, "scheduler", scheduler)
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_seen", optimizer.steps)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        fresh = self._optimizer.steps != self._seen  # each skipped optimizer step skips one scheduler step
+        object.__setattr__(self, "_seen", self._optimizer.steps)
+        if fresh and self._optimizer.step_skipped:
+            return None
+        return self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        scheduler = vars(self).get("scheduler")
+        if scheduler is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(scheduler, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.scheduler, name, value)
+
+    def __repr__(self) -> str:
+        return f"SkippableLRScheduler({self.scheduler!r})"
+
+
+def wrap_lr_schedulers(lr_scheduler_configs: Iterable[Any], wrappers: dict[int, MixedPrecisionOptimizer]) -> None:
+    """Point each scheduler at the wrapper of its optimizer (`wrappers`: id of the user's optimizer -> its wrapper);
+    wrap each step-interval one (not ReduceLROnPlateau) in a `SkippableLRScheduler` when that wrapper can skip."""
+    for config in lr_scheduler_configs:
+        sched = config.scheduler
+        inner = sched.scheduler if isinstance(sched, SkippableLRScheduler) else sched
+        owner = wrappers.get(id(inner.optimizer))
+        if owner is None:
+            continue
+        if inner.optimizer is not owner:
+            inner.optimizer = owner
+            # the scheduler's "optimizer.step() before lr_scheduler.step()" check reads this flag, which only the
+            # optimizer it was built on sets
+            owner._opt_called = True
+        step_interval = getattr(config, "interval", "step") == "step" and not getattr(config, "reduce_on_plateau", False)
+        if owner.scaler is not None and step_interval and not isinstance(sched, SkippableLRScheduler):
+            config.scheduler = SkippableLRScheduler(sched, owner)
