@@ -236,7 +236,7 @@ class NPUHybridStrategy(DDPStrategy):
     def _distributed_optimizers(self) -> list[Any]:
         from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
 
-        return [o for o in (_unwrap(o) for o in self.optimizers) if isinstance(o, DistributedOptimizer)]
+        return [o for o in (unwrap_optimizer(o) for o in self.optimizers) if isinstance(o, DistributedOptimizer)]
 
     def _tp_active(self) -> bool:
         return self.tp_report is not None and self.tp_report.applied
@@ -313,7 +313,7 @@ class NPUHybridStrategy(DDPStrategy):
         plugin, cfg = self.precision_plugin, self.parallel_config
         scaler, pp_group = getattr(plugin, "scaler", None), gn.pipeline_group(self.device_mesh)
         wrappers: dict[int, MixedPrecisionOptimizer] = {}
-        for optimizer in map(_unwrap, self.optimizers):
+        for optimizer in map(unwrap_optimizer, self.optimizers):
             if isinstance(optimizer, MixedPrecisionOptimizer):
                 wrappers[id(optimizer)] = optimizer
             elif cfg.uses_distributed_optimizer:
@@ -403,17 +403,17 @@ class NPUHybridStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         with self._masters_as_parameters():
-            return ckpt.model_state_dict(self.lightning_module, [_unwrap(o) for o in self.optimizers])
+            return ckpt.model_state_dict(self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers])
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         with self._masters_as_parameters():
-            return ckpt.optimizer_state_dict(self.lightning_module, _unwrap(optimizer))
+            return ckpt.optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         request = ckpt.commit_request(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(ckpt.new_token())
-        tensors, meta = ckpt.split_checkpoint(checkpoint, self.precision_plugin)
+        tensors, meta = ckpt.split_checkpoint(checkpoint)
         meta["lightning_npu"] = ckpt.layout_metadata(self.parallel_config, self.world_size, self.lightning_module)
         self._writer().save(tensors, meta, path, token, self.is_global_zero, self.barrier, request)
 
@@ -434,7 +434,7 @@ class NPUHybridStrategy(DDPStrategy):
             with ckpt.refusing_unsafe(path):
                 return super().load_checkpoint(path, weights_only=True)
         with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
-            return ckpt.load_directory(path, module, [_unwrap(o) for o in self.optimizers], module.strict_loading,
+            return ckpt.load_directory(path, module, [unwrap_optimizer(o) for o in self.optimizers], module.strict_loading,
                                        pipelined=self._pipeline is not None)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -446,7 +446,7 @@ class NPUHybridStrategy(DDPStrategy):
             return
         if is_tensor_parallel(self.lightning_module):  # full optimizer tensors -> this rank's tp shards
             def holder(opt: Any) -> Any:  # what the full state is indexed by: the model's parameters
-                opt = _unwrap(opt)
+                opt = unwrap_optimizer(opt)
                 return SimpleNamespace(param_groups=[{"params": opt.model_params}]) if hasattr(opt, "model_params") \
                     else opt
 
@@ -484,9 +484,6 @@ class NPUHybridStrategy(DDPStrategy):
         from lightning_npu.parallel.sampler import resumable_dataloader
 
         return resumable_dataloader(dataloader)
-
-
-_unwrap = unwrap_optimizer
 
 
 @functools.cache

@@ -639,7 +639,7 @@ def commit_request(storage_options: Any, strategy_name: str) -> Optional[CommitR
     )
 
 
-def split_checkpoint(checkpoint: dict[str, Any], precision_plugin: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's checkpoint dict -> (DCP tensors: model and optimizer states, rank 0's ``meta.pt`` rest)."""
     meta = dict(checkpoint)
     tensors = {MODEL_KEY: meta.pop("state_dict")}
