@@ -319,8 +319,7 @@ class NPUHybridStrategy(DDPStrategy):
             elif cfg.uses_distributed_optimizer:
                 wrappers[id(optimizer)] = DistributedOptimizer(
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
-                    # under pp the schedule runs backward per micro-batch: reduce once, after it (`backward`)
-                    overlap=cfg.pipeline_parallel_size == 1, scaler=scaler, pp_group=pp_group,
+                    overlap=cfg.overlaps_gradient_reduction, scaler=scaler, pp_group=pp_group,
                 )
             else:
                 wrappers[id(optimizer)] = MixedPrecisionOptimizer(

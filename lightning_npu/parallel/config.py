@@ -215,5 +215,11 @@ class ParallelConfig:
         return self.zero_stage == 1 and self.dp > 1
 
     @property
+    def overlaps_gradient_reduction(self) -> bool:
+        """Reduce each bucket from backward's hooks; under pp the schedule runs backward per micro-batch, so the
+        buckets are reduced once after it instead."""
+        return self.pipeline_parallel_size == 1
+
+    @property
     def mesh_shape(self) -> tuple[int, int, int]:
         return (self.pipeline_parallel_size, self.dp, self.tensor_parallel_size)
