@@ -11,7 +11,7 @@ import lightning_npu  # noqa: F401
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel.tensor import full_state_dict, is_tensor_parallel
+from lightning_npu.parallel.tensor import gather_shards, is_tensor_parallel
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
 # 4 blocks: room for pp=2 x 2 virtual stages (interleaved 1F1B)
@@ -61,7 +61,7 @@ def train_pp(
     else:
         with torch.no_grad():
             logits = model(next(iter(loader))[0])
-    state = full_state_dict(model) if is_tensor_parallel(model) else model.state_dict()
+    state = gather_shards(model) if is_tensor_parallel(model) else model.state_dict()
     runner = getattr(trainer.strategy, "_pipeline", None)
     return {
         "logged": recorder.logged,

@@ -36,6 +36,6 @@ def gradient_statistics(trainer: Any, pl_module: Any, optimizer: Any) -> torch.T
 def params_norm_and_delta(pl_module: Any, params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:
     """(|w_before|, |w_after - w_before|), global over shards and pipeline stages. Collective."""
     group = _pp_group(pl_module)
-    w = gn.global_norm(params, [b for b in before], group)
+    w = gn.global_norm(params, list(before), group)
     d = gn.global_norm(params, [p.detach() - b for p, b in zip(params, before)], group)
     return tuple(torch.stack([w, d]).tolist())  # type: ignore[return-value]

@@ -42,7 +42,7 @@ def _local_full_state(module: nn.Module) -> dict[str, Any]:
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
         return tp.unfuse_full_tensors(state, tp.fused_layout(module))
     if tp.is_tensor_parallel(module):
-        return tp.full_state_dict(module)
+        return tp.gather_shards(module)
     return module.state_dict()
 
 
@@ -96,7 +96,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool 
             set_model_state_dict(module, tp.refuse_fused(state, fused),
                                  options=StateDictOptions(full_state_dict=True, strict=False))
         elif tp.is_tensor_parallel(module):
-            tp.load_full_state_dict(module, state, strict=False)
+            tp.load_into_shards(module, state, strict=False)
         else:
             module.load_state_dict(state, strict=False)
     _refresh_distributed_optimizers(module)

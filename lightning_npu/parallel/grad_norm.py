@@ -113,10 +113,6 @@ def gradient_statistics(parameters: Iterable[Tensor], pp_group: Optional[dist.Pr
     return torch.stack([sq.sqrt(), sq / count - mean * mean])
 
 
-def global_grad_norm(parameters: Iterable[Tensor], pp_group: Optional[dist.ProcessGroup] = None) -> Tensor:
-    return gradient_statistics(parameters, pp_group)[0]
-
-
 def global_norm(parameters: Sequence[Tensor], values: Sequence[Tensor], pp_group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """fp32 global L2 norm of `values`, each sharded like the matching parameter (e.g. weights or updates)."""
     return _global_moments(zip(parameters, values), pp_group)[0].sqrt()

@@ -14,13 +14,13 @@ An ordinary PyTorch model is sharded without rewriting its layers:
 * :func:`vocab_parallel_cross_entropy` is a context in which ``F.cross_entropy`` on vocab-sharded
   logits runs DTensor's ``loss_parallel`` (max-subtracted log-softmax, never gathering the logits)
   and returns a plain tensor, so an unchanged ``training_step`` can ``self.log`` it;
-* :func:`full_state_dict` / :func:`load_full_state_dict` and the optimizer equivalents translate
+* :func:`gather_shards` / :func:`load_into_shards` and the optimizer equivalents translate
   between the local shards and full (unsharded, original-layout) tensors for checkpoints.
 
 Fused projections (GPT-2's ``c_attn`` = q|k|v, ``gate_up_proj`` = gate|up) are column-sharded so
 that each rank holds *its* heads of every part: the output rows are reordered rank-major before
 sharding (rank r holds ``[q_r, k_r, v_r]``), so the unchanged ``view(b, t, 3, heads, head_dim)``
-of the model sees its local heads. The reordering is internal: :func:`full_state_dict` undoes it,
+of the model sees its local heads. The reordering is internal: :func:`gather_shards` undoes it,
 so checkpoints and ``state_dict`` keys and layouts are those of the unsharded model.
 """
 
@@ -54,8 +54,8 @@ __all__ = [
     "Rowwise",
     "TensorParallelPlan",
     "apply_tensor_parallel",
-    "full_state_dict",
-    "load_full_state_dict",
+    "gather_shards",
+    "load_into_shards",
     "localize_parameters",
     "plan_tensor_parallel",
     "style_from_name",
@@ -116,7 +116,7 @@ class Colwise(ColwiseParallel):
 
     ``fused=3`` (q|k|v) or ``2`` (gate|up) shards every part by columns and keeps each rank's parts
     together (see the module docstring); the parameter DTensor is ``Shard(out_dim)`` of the
-    rank-major reordered weight, which :func:`full_state_dict` maps back to the original layout.
+    rank-major reordered weight, which :func:`gather_shards` maps back to the original layout.
     """
 
     def __init__(self, *, fused: int = 1, **kwargs: Any) -> None:
@@ -712,19 +712,11 @@ def _map_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str, relayou
     return out
 
 
-def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, original-layout tensors of a model with DTensor parameters (FSDP2 and/or TP): collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return unfuse_full_tensors(sd, getattr(model, "_lnpu_fused", {}))
-
-
 def _param_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters(remove_duplicate=False))
 
 
-def full_state_dict(model: nn.Module, state_dict: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def gather_shards(model: nn.Module, state_dict: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """`model.state_dict()` with every tensor-parallel shard gathered to the full, original-layout tensor.
 
     A collective over each tp group: every rank must call it.
@@ -739,7 +731,7 @@ def full_state_dict(model: nn.Module, state_dict: Optional[dict[str, Any]] = Non
 
 
 def shard_state_dict(model: nn.Module, full: dict[str, Any]) -> dict[str, Any]:
-    """Slice a full state dict (as :func:`full_state_dict` makes) into this rank's local shards."""
+    """Slice a full state dict (as :func:`gather_shards` makes) into this rank's local shards."""
     params = _param_by_name(model)
     out = {}
     for key, value in full.items():
@@ -748,7 +740,7 @@ def shard_state_dict(model: nn.Module, full: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_full_state_dict(model: nn.Module, full: dict[str, Any], strict: bool = True) -> Any:
+def load_into_shards(model: nn.Module, full: dict[str, Any], strict: bool = True) -> Any:
     return model.load_state_dict(shard_state_dict(model, full), strict=strict)
 
 
