@@ -65,8 +65,9 @@ class NPUHybridStrategy(DDPStrategy):
             ``"rowwise"``, ``"vocab"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for no split.
         sequence_parallel: also shard norm and dropout activations along the sequence over the tp
             ranks (saves activation memory; needs tp > 1).
-        activation_checkpointing: recompute activations in backward: ``None`` off, an int N
-            (every N blocks), or a policy name such as ``"selective"``.
+        activation_checkpointing: recompute block activations in backward instead of keeping them: ``None``
+            off, an int N (the N-th, 2N-th, ... block), ``"full"`` (every block) or ``"selective"`` (every
+            block, keeping matmul and attention outputs).
         fuse_ops: replace norms, softmax, GELU, SwiGLU and dropout+add with fused kernels
             (``state_dict`` keys unchanged).
         gradient_compression: compress gradients before the dp reduction: ``None`` or a mode
@@ -135,6 +136,7 @@ class NPUHybridStrategy(DDPStrategy):
         )
         self._device_mesh: Optional[DeviceMesh] = None
         self.fusion_report: Any = None
+        self.recompute_report: Any = None  # lightning_npu.parallel.recompute.RecomputeReport (activation_checkpointing)
         # checkpoints: write DCP shards in a background thread; rank 0 commits each as soon as every rank wrote it
         self.async_save = async_save
         # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
@@ -213,6 +215,7 @@ class NPUHybridStrategy(DDPStrategy):
             pipeline=self._pipeline if self._pipeline is not None and self._pipeline.module is model else None,
         )
         self.fusion_report = result.fusion_report
+        self.recompute_report = result.recompute_report
         self._pipeline = result.pipeline
         self._grad_sync = result.grad_sync
         return result.model

@@ -128,10 +128,11 @@ class ParallelConfig:
                 "`tensor_parallel_size>1` and a tp_plan; set sequence_parallel=False or raise tensor_parallel_size."
             )
         ac = self.activation_checkpointing
-        if not (ac is None or ac == "selective" or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
+        if not (ac is None or ac in ("full", "selective", "auto")
+                or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
             raise ParallelConfigError(
-                f"`activation_checkpointing={ac!r}` must be None, 'selective' or a positive int "
-                "(checkpoint every N blocks)."
+                f"`activation_checkpointing={ac!r}` must be None, a positive int N (recompute every N-th block), "
+                "'full' (every block) or 'selective' (every block, keeping matmul outputs)."
             )
         if self.gradient_compression not in GRADIENT_COMPRESSIONS:
             raise ParallelConfigError(
@@ -174,7 +175,7 @@ class ParallelConfig:
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
         pending = {
-            "activation_checkpointing": (self.activation_checkpointing is not None, "activation checkpointing"),
+            "activation_checkpointing": (self.activation_checkpointing == "auto", "budget-driven activation checkpointing"),
             "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
             "hierarchical_allreduce": (self.hierarchical_allreduce is True, "hierarchical all-reduce"),
         }
