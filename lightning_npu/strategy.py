@@ -174,6 +174,7 @@ class NPUHybridStrategy(DDPStrategy):
             self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
 
     def setup_environment(self) -> None:
+        dev.configure_allocator(self.root_device.type)  # before the process's first device allocation
         self._plan_tensor_parallel()  # a tp plan that does not fit the model fails before any process group
         self._plan_pipeline()  # so does a pipeline split (pp larger than the blocks, no pipeline_loss, ...)
         super().setup_environment()

@@ -23,6 +23,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from lightning_npu.memory import note_kept
+
 POLICIES = ("full", "selective")
 
 # outputs that "selective" keeps: recomputing them would cost as much as the forward itself
@@ -102,4 +104,8 @@ def _policy_values() -> tuple[Any, Any]:
 
 def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     save, recompute = _policy_values()
-    return save if getattr(op, "overloadpacket", op) in _SAVED_OPS else recompute
+    if getattr(op, "overloadpacket", op) not in _SAVED_OPS:
+        return recompute
+    if not ctx.is_recompute:
+        note_kept(getattr(ctx, "op_output", None))  # torch's cache holds it: MemoryMonitor counts it
+    return save
