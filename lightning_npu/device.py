@@ -155,6 +155,22 @@ def configure_allocator(device_type: str) -> str | None:
     return ALLOCATOR_DEFAULTS
 
 
+def free_memory_bytes(device: torch.device | str) -> float:
+    """Memory this device can still give: the allocator's free bytes, or on CPU the machine's MemAvailable (shared by
+    every local process: divide it among them)."""
+    stats = memory_stats(device)
+    if "free_bytes" in stats:
+        return stats["free_bytes"]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
 def current_rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import lightning as L
 import pytest
@@ -14,7 +15,8 @@ import lightning_npu
 from examples.gpt.model import GPT, GPTConfig, GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
+from lightning_npu.callbacks import MemoryMonitor
+from lightning_npu.parallel.config import ParallelConfigError
 from lightning_npu.parallel.recompute import apply_activation_checkpointing
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
@@ -83,9 +85,14 @@ def test_bad_values_name_the_argument(value):
         NPUHybridStrategy(activation_checkpointing=value)
 
 
-def test_auto_is_not_silently_ignored():
-    with pytest.raises(NotImplementedYetError, match="activation_checkpointing='auto'"):
-        NPUHybridStrategy(activation_checkpointing="auto")
+@pytest.mark.parametrize("kwargs, match", [
+    ({"activation_checkpointing": "auto", "memory_budget_gb": -1}, "memory_budget_gb=-1"),
+    ({"activation_checkpointing": "full", "memory_budget_gb": 8}, "only by activation_checkpointing='auto'"),
+    ({"activation_checkpointing": "auto", "pipeline_parallel_size": 2}, "choose an int N, 'full' or 'selective'"),
+])
+def test_auto_bad_combinations(kwargs, match):
+    with pytest.raises(ParallelConfigError, match=match):
+        NPUHybridStrategy(**kwargs)
 
 
 def test_more_than_the_blocks_warns():
@@ -132,3 +139,39 @@ def test_recompute_is_exact_in_every_layout():
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-6, msg=where)
             for key, value in ref["state"].items():
                 torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-6, msg=f"{where}: {key}")
+
+
+AUTO_GPT = {**SMALL_GPT, "n_layer": 4, "dropout": 0.1}
+
+
+def _fit_auto(policy, budget_gb=None, steps: int = 4) -> dict:
+    L.seed_everything(0, verbose=False)
+    model = GPTModule(**AUTO_GPT)
+    recorder, monitor = LossRecorder(), MemoryMonitor()
+    strategy = NPUHybridStrategy(zero_stage=1, activation_checkpointing=policy, memory_budget_gb=budget_gb)
+    trainer, data = parity_trainer(strategy, model, 2, 8, steps, [recorder, monitor])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=data)
+    report = strategy.recompute_report
+    return {"losses": torch.tensor(recorder.logged), "k": None if report is None else len(report.checkpointed),
+            "last": dict(monitor.last), "warned": any("over the budget" in str(w.message) for w in caught),
+            "state": sum(monitor.last[k] for k in ("parameters", "gradients", "optimizer_state"))}
+
+
+def _auto_runs() -> dict:
+    none = _fit_auto(None)
+    middle_gb = (none["state"] + 0.6 * none["last"]["activations_peak"]) / 1e9
+    return {"none": none, "roomy": _fit_auto("auto", 10.0), "tight": _fit_auto("auto", 1e-6),
+            "middle": _fit_auto("auto", middle_gb), "middle_gb": middle_gb}
+
+
+def test_auto_fits_the_budget_with_the_fewest_blocks():
+    for rank, runs in enumerate(spawn(_auto_runs, 2)):
+        none, roomy, tight, middle = runs["none"], runs["roomy"], runs["tight"], runs["middle"]
+        assert roomy["k"] == 0 and not roomy["warned"], rank  # everything fits: nothing recomputed after step 1
+        assert tight["k"] == 4 and tight["warned"], rank  # nothing fits: every block, and a warning
+        assert 0 < middle["k"] < 4, (rank, middle["k"])
+        assert middle["last"]["activations_peak"] <= runs["middle_gb"] * 1e9 - middle["state"], rank
+        for run in (roomy, tight, middle):  # recompute is exact whatever it chose
+            torch.testing.assert_close(run["losses"], none["losses"], rtol=0, atol=1e-6)

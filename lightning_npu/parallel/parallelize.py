@@ -46,6 +46,7 @@ class Parallelized:
     grad_sync: gs.GradientSync = field(default_factory=gs.GradientSync)
     fusion_report: Any = None
     recompute_report: Any = None  # recompute.RecomputeReport when activation_checkpointing is set
+    auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
 
 
 def parallelize(
@@ -72,7 +73,12 @@ def parallelize(
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
     wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs)
-    return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report)
+    auto = None
+    if cfg.activation_checkpointing == "auto":
+        from lightning_npu.parallel.recompute import AutoRecompute
+
+        auto = AutoRecompute(model, cfg.memory_budget_gb * 1e9 if cfg.memory_budget_gb else None)
+    return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report, auto)
 
 
 def apply_fused_ops(model: nn.Module, device: torch.device) -> Any:

@@ -10,7 +10,9 @@ Policies:
 - ``N`` (int): the N-th, 2N-th, ... block (``1`` is every block);
 - ``"full"``: every block; backward keeps only each block's input;
 - ``"selective"``: every block, but matmul and attention outputs are kept (torch's selective activation
-  checkpointing), so only the cheap element-wise ops (norms, activations, softmax, dropout) run twice.
+  checkpointing), so only the cheap element-wise ops (norms, activations, softmax, dropout) run twice;
+- ``"auto"``: the fewest blocks (the first k, Megatron's "block" method) whose recompute makes the saved
+  activations fit a budget, measured on the first training step (`AutoRecompute`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -54,6 +56,8 @@ class RecomputeReport:
 
 
 def checkpointed_indices(num_blocks: int, policy: Union[int, str]) -> tuple[int, ...]:
+    if policy == "auto":  # calibrated by AutoRecompute: every block but the first, which is measured
+        return tuple(range(1, num_blocks))
     if isinstance(policy, str):
         return tuple(range(num_blocks))
     return tuple(i for i in range(num_blocks) if (i + 1) % policy == 0)
@@ -80,13 +84,97 @@ def apply_activation_checkpointing(module: nn.Module, policy: Union[int, str]) -
             stacklevel=2,
         )
     context_fn = _selective_contexts if policy == "selective" else None
-    for i in chosen:
+    for i in range(len(blocks)) if policy == "auto" else chosen:
         block = blocks[i]
         if getattr(block, "_lnpu_recompute", None) is not None:
             continue  # fit -> validate -> fit: hooks are registered once
         checkpoint(block, context_fn=context_fn) if context_fn is not None else checkpoint(block)
         block._lnpu_recompute = policy
-    return RecomputeReport(fqn, policy, chosen, len(blocks))
+    report = RecomputeReport(fqn, policy, chosen, len(blocks))
+    if policy == "auto":
+        _enable(blocks, chosen)
+    return report
+
+
+def _enable(blocks: nn.ModuleList, chosen: tuple[int, ...]) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for i, block in enumerate(blocks):
+        checkpoint.state(block).enable_hook = i in chosen
+
+
+class AutoRecompute:
+    """``activation_checkpointing="auto"``: measure the first training step, then recompute the fewest blocks that fit.
+
+    The first step recomputes every block but the first, whose saved bytes (besides its input) are counted on their
+    own; the step's peak then gives the rest. With n blocks, each saving ``inside`` bytes, recomputing k of them
+    leaves ``peak_1 + (n - 1 - k) * inside`` saved. `decide` picks the smallest k within the budget (the budget
+    less the model state this rank holds), takes the largest k over every rank (a recomputed block re-runs its
+    collectives in backward: tp peers must agree), and keeps it for the rest of training.
+    """
+
+    def __init__(self, module: nn.Module, budget_bytes: Optional[float]) -> None:
+        from lightning_npu.memory import SavedActivations, storage_keys
+
+        self.fqn, self.blocks = block_list(module)
+        self.budget_bytes = budget_bytes
+        self.report: Optional[RecomputeReport] = None
+        ignore = storage_keys(module.parameters())
+        self._step = SavedActivations(ignore)
+        self._block = SavedActivations(ignore)
+        self._input_bytes = 0
+        self._handles = [
+            self.blocks[0].register_forward_pre_hook(self._enter_first_block),
+            self.blocks[0].register_forward_hook(lambda *_: self._block.stop()),
+        ]
+
+    def _enter_first_block(self, module: nn.Module, args: tuple) -> None:
+        from lightning_npu.memory import storage_bytes
+
+        self._input_bytes = storage_bytes(a for a in args if isinstance(a, torch.Tensor))
+        self._block.start()  # (while it counts, the step's meter does not see these: hooks do not nest)
+
+    def before_step(self, module: nn.Module, optimizers: list, device: torch.device, free_bytes: float) -> None:
+        """Training step 1: measure it; step 2: decide (a no-op afterwards)."""
+        if self.report is not None:
+            return
+        if self._step.peak == 0:
+            self._step.start()
+            return
+        from lightning_npu.memory import model_state_bytes
+
+        self.decide(sum(model_state_bytes(module, optimizers).values()), free_bytes, device)
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"{self.report} (predicted {self.predicted_bytes / 2**20:.1f} MiB saved per step on rank 0)")
+
+    def after_forward(self) -> None:
+        self._step.stop()
+
+    def decide(self, model_state_bytes: int, free_bytes: float, device: Any = "cpu") -> RecomputeReport:
+        import torch.distributed as dist
+
+        for h in self._handles:
+            h.remove()
+        n = len(self.blocks)
+        peak = self._step.peak + self._block.peak  # what step 1 saved: k = n - 1 blocks recomputed
+        inside = max(self._block.peak - self._input_bytes, 0)
+        budget = (self.budget_bytes - model_state_bytes) if self.budget_bytes is not None else 0.9 * free_bytes
+        k = next((k for k in range(n + 1) if peak + (n - 1 - k) * inside <= budget), n)
+        if dist.is_available() and dist.is_initialized():
+            agreed = torch.tensor([k], dtype=torch.int64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            k = int(agreed.item())
+        chosen = tuple(range(k))
+        _enable(self.blocks, chosen)
+        self.report = RecomputeReport(self.fqn, "auto", chosen, n)
+        self.predicted_bytes = peak + (n - 1 - k) * inside
+        if self.predicted_bytes > budget:
+            warnings.warn(
+                f"activation_checkpointing='auto': even recomputing all {n} blocks keeps ~{self.predicted_bytes / 2**30:.2f} "
+                f"GiB of activations, over the budget of {max(budget, 0) / 2**30:.2f} GiB; lower the batch size or "
+                "raise memory_budget_gb.", stacklevel=2)
+        return self.report
 
 
 def _selective_contexts() -> Any:
