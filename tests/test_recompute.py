@@ -175,3 +175,25 @@ def test_auto_fits_the_budget_with_the_fewest_blocks():
         assert middle["last"]["activations_peak"] <= runs["middle_gb"] * 1e9 - middle["state"], rank
         for run in (roomy, tight, middle):  # recompute is exact whatever it chose
             torch.testing.assert_close(run["losses"], none["losses"], rtol=0, atol=1e-6)
+
+
+def test_transformers_llama_decoder_layers():
+    """A `transformers` model: its decoder layer list is what recomputes, exactly (GQA, rotary, SwiGLU, SDPA)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    x = torch.randint(0, 64, (2, 16))
+    grads = []
+    for policy in (None, "full"):
+        m = copy.deepcopy(model)
+        if policy is not None:
+            report = apply_activation_checkpointing(m, policy)
+            assert report.blocks == "model.layers" and report.checkpointed == (0, 1)
+        m(x, labels=x).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
