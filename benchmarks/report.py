@@ -118,7 +118,7 @@ def plot(results: dict[str, dict], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.bar(names, [results[n]["tokens_per_s"] for n in names], color="tab:blue")
     ax.set_ylabel("tokens/s (2 CPU processes)")
-    ax.tick_params(axis="x", rotation=45)
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()
     fig.savefig(out / "report_throughput.png", dpi=100)
     files.append("report_throughput.png")
@@ -130,7 +130,7 @@ def plot(results: dict[str, dict], out: Path) -> list[str]:
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_ylabel("MiB per rank (rank 0)")
     ax.legend()
-    ax.tick_params(axis="x", rotation=45)
+    plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
     fig.tight_layout()
     fig.savefig(out / "report_memory.png", dpi=100)
     files.append("report_memory.png")
