@@ -132,9 +132,13 @@ def strategy_block(result: Plan, best: Estimate) -> str:
     ]
     for key, value in best.layout.strategy_init_args().items():
         lines.append(f"      {key}: {json.dumps(value)}")
-    per_rank = result.model.global_batch // best.layout.dp
-    lines.append(f"# data: batch_size {per_rank} per data-parallel rank "
-                 f"({best.layout.micro_batches} micro-batches of {best.layout.micro_batch_size})")
+    lay = best.layout
+    if lay.pp == 1 and lay.micro_batches > 1:  # without a pipeline, micro-batches are Lightning's accumulation
+        lines.insert(5, f"  accumulate_grad_batches: {lay.micro_batches}")
+        lines.append(f"# data: batch_size {lay.micro_batch_size} per data-parallel rank and step")
+    else:  # the pipeline splits each rank's batch into its micro-batches
+        lines.append(f"# data: batch_size {lay.micro_batches * lay.micro_batch_size} per data-parallel rank "
+                     f"({lay.micro_batches} micro-batches of {lay.micro_batch_size})")
     return "\n".join(lines)
 
 
