@@ -212,7 +212,8 @@ def torch_npu_compatibility(torch_version: str, torch_npu_version: Optional[str]
     t, n = base(torch_version), base(torch_npu_version)
     want = TORCH_NPU_FOR_TORCH.get(n, n)
     if t == want:
-        return Check("compatibility", "torch / torch_npu", OK, f"torch {torch_version} with torch_npu {torch_npu_version}")
+        return Check("compatibility", "torch / torch_npu", OK,
+                     f"torch {torch_version} with torch_npu {torch_npu_version}")
     return Check("compatibility", "torch / torch_npu", FAIL,
                  f"torch_npu {torch_npu_version} is built for torch {want}, but torch is {torch_version}",
                  f"pip install torch=={want} (or the torch_npu release for torch {t}: pip install torch-npu=={t}.*)")
@@ -233,7 +234,7 @@ def _versions(env: Mapping[str, str]) -> tuple[list[Check], dict[str, Any]]:
 
     facts = {"python": platform.python_version(), "torch": torch.__version__, "lightning": _version("lightning"),
              "torch_npu": _version("torch_npu")}
-    out = [Check("versions", k, INFO if v else INFO, v or "not installed") for k, v in facts.items()]
+    out = [Check("versions", k, INFO, v or "not installed") for k, v in facts.items()]
     cann, where = cann_version(env)
     facts["cann"] = cann
     out.append(Check("versions", "CANN toolkit", INFO, f"{cann} ({where})" if cann else
@@ -281,8 +282,8 @@ def _cuda_tools(env: Mapping[str, str], facts: dict[str, Any]) -> list[Check]:
     for gpu in gpus:
         hot = gpu["temperature_c"] >= HOT_C
         out.append(Check("devices", f"gpu {gpu['id']}", WARN if hot else OK,
-                         f"{gpu['name']}, {gpu['temperature_c']} C, {gpu['memory_free_mb']}/{gpu['memory_total_mb']} MB "
-                         "free", f"at or above {HOT_C} C: check cooling/airflow before a long run" if hot else ""))
+                         f"{gpu['name']}, {gpu['temperature_c']} C, "
+                         f"{gpu['memory_free_mb']}/{gpu['memory_total_mb']} MB free", f"at or above {HOT_C} C: check cooling/airflow before a long run" if hot else ""))
     return out
 
 

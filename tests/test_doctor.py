@@ -88,12 +88,14 @@ def test_npu_branch_with_faked_tools(tmp_path, monkeypatch):
     assert got["devices: npu 0"].status == "ok" and "3162/65536 MB" in got["devices: npu 0"].detail
     assert got["devices: npu 1"].status == "warn" and "91 C" in got["devices: npu 1"].detail  # >= 85 C
     # torch_npu is not installed here: npu-smi sees NPUs that torch cannot use, a hard failure with the fix
-    assert got["devices: torch devices"].status == "fail" and "pip install torch-npu" in got["devices: torch devices"].fix
+    torch_devices = got["devices: torch devices"]
+    assert torch_devices.status == "fail" and "pip install torch-npu" in torch_devices.fix
     # HCCL: the two names from the guides do not exist; a typo is flagged; out-of-range values warned; good ones ok
     assert got["hccl: HCCL_GROUP_SIZE"].status == "warn" and "does not exist" in got["hccl: HCCL_GROUP_SIZE"].detail
     assert got["hccl: HCCL_LARGE_BUFFER"].status == "warn" and "HCCL_BUFFSIZE" in got["hccl: HCCL_LARGE_BUFFER"].detail
     assert "not a documented HCCL variable" in got["hccl: HCCL_BUFSIZE"].detail
-    assert got["hccl: HCCL_CONNECT_TIMEOUT"].status == "warn" and "[120, 7200]" in got["hccl: HCCL_CONNECT_TIMEOUT"].detail
+    timeout = got["hccl: HCCL_CONNECT_TIMEOUT"]
+    assert timeout.status == "warn" and "[120, 7200]" in timeout.detail
     assert got["hccl: HCCL_IF_IP"].status == "warn"
     assert got["hccl: HCCL_BUFFSIZE"].status == "ok" and got["hccl: HCCL_OP_EXPANSION_MODE"].status == "ok"
     # RoCE through hccn_tool: device 0 up, device 1 down

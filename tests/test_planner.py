@@ -4,8 +4,6 @@ trillion-parameter run, and the bytes our own ranks hold (one 4-process launch, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -112,12 +110,12 @@ def test_nothing_fits_says_why(capsys):
 
 
 # ---- the command line on the example configs ----------------------------------------------------------------------
-def test_plan_llama_config_json_and_strategy_block():
-    proc = subprocess.run([sys.executable, "-m", "lightning_npu.cli", "plan", "--model", "examples/llama/config.yaml",
-                           "--devices", "8", "--json", "--top", "3"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+def test_plan_llama_config_json_and_strategy_block(capsys, monkeypatch):
+    from lightning_npu import cli
+
+    monkeypatch.chdir(ROOT)
+    cli.main(["plan", "--model", "examples/llama/config.yaml", "--devices", "8", "--json", "--top", "3"])
+    out = json.loads(capsys.readouterr().out)
     # the config's model block: LlamaModule(hidden_size=64, intermediate_size=176, 2 layers, 4 heads, 2 kv heads)
     assert {k: out["model"][k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "mlp", "seq")} == dict(
         layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, mlp="swiglu", seq=128)

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the best one. Estimates, not measurements: see docs/planning.md for the models' assumptions.",
     )
     m = p.add_argument_group("model (a LightningCLI config, or the sizes; sizes given override the config)")
-    m.add_argument("--model", help="LightningCLI YAML whose model block gives the sizes, e.g. examples/llama/config.yaml")
+    m.add_argument("--model", help="LightningCLI YAML whose model block gives the sizes, "
+                   "e.g. examples/llama/config.yaml")
     for flag, help_text in [("--layers", "transformer blocks"), ("--hidden", "hidden size"),
                             ("--heads", "attention heads"), ("--kv-heads", "key/value heads (GQA; default: heads)"),
                             ("--ffn", "MLP width (default 4 x hidden)"), ("--vocab", "vocabulary size"),
@@ -154,7 +155,8 @@ def _table(result: Plan, top: int) -> str:
                      f"{lay.micro_batches}x{lay.micro_batch_size}", "y" if lay.sequence_parallel else "-",
                      lay.recompute or "-", *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer",
                                                                      "activations", "buffers", "total")),
-                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}", f"{e.time.tflops_per_device(result.cluster.devices):.1f}"])
+                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
+                     f"{e.time.tflops_per_device(result.cluster.devices):.1f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([fmt(head), *(fmt(r) for r in rows)])

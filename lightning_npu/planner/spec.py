@@ -8,7 +8,7 @@ the fix, before any arithmetic. `model_from_config` reads the ``model:`` block o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -174,7 +174,6 @@ class Layout:
     recompute: Optional[str] = None
     sequence_parallel: bool = False
     schedule: str = "1f1b"
-    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def virtual_stages(self) -> int:
@@ -237,7 +236,9 @@ def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
 
     path = Path(path)
     if not path.is_file():
-        raise PlannerError(f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml.")
+        raise PlannerError(
+            f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml."
+        )
     config = yaml.safe_load(path.read_text()) or {}
     model = config.get("model") or {}
     if not isinstance(model, dict):
