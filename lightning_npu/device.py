@@ -132,6 +132,45 @@ def memory_stats(device: torch.device | str) -> dict[str, float]:
     return stats
 
 
+# Options for long runs, where fragmentation grows: segments that grow in place instead of new blocks of odd
+# sizes, and freeing cached blocks before the allocator would fail. Both the CUDA and the torch_npu allocator take them.
+ALLOCATOR_DEFAULTS = "expandable_segments:True,garbage_collection_threshold:0.8"
+
+
+def allocator_env_var(device_type: str) -> str | None:
+    """The variable a device's caching allocator reads its options from (None: the CPU has no caching allocator)."""
+    return None if device_type == CPU else f"PYTORCH_{device_type.upper()}_ALLOC_CONF"
+
+
+def configure_allocator(device_type: str) -> str | None:
+    """Set `ALLOCATOR_DEFAULTS` unless the user set the allocator's options, or it already allocated (too late: the
+    options are read once). Returns what was set."""
+    var = allocator_env_var(device_type)
+    if var is None or os.environ.get(var) or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return None
+    module = getattr(torch, device_type, None)
+    if module is not None and getattr(module, "is_initialized", lambda: False)():
+        return None
+    os.environ[var] = ALLOCATOR_DEFAULTS
+    return ALLOCATOR_DEFAULTS
+
+
+def free_memory_bytes(device: torch.device | str) -> float:
+    """Memory this device can still give: the allocator's free bytes, or on CPU the machine's MemAvailable (shared by
+    every local process: divide it among them)."""
+    stats = memory_stats(device)
+    if "free_bytes" in stats:
+        return stats["free_bytes"]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
 def current_rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:

@@ -65,8 +65,12 @@ class NPUHybridStrategy(DDPStrategy):
             ``"rowwise"``, ``"vocab"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for no split.
         sequence_parallel: also shard norm and dropout activations along the sequence over the tp
             ranks (saves activation memory; needs tp > 1).
-        activation_checkpointing: recompute activations in backward: ``None`` off, an int N
-            (every N blocks), or a policy name such as ``"selective"``.
+        activation_checkpointing: recompute block activations in backward instead of keeping them: ``None``
+            off, an int N (the N-th, 2N-th, ... block), ``"full"`` (every block), ``"selective"`` (every
+            block, keeping matmul and attention outputs) or ``"auto"`` (the fewest blocks that fit
+            ``memory_budget_gb``, measured on the first step).
+        memory_budget_gb: per-rank memory (GB, 10**9 bytes) that ``activation_checkpointing="auto"`` fits
+            model state plus saved activations into; ``None``: 90% of what the device has free after step 1.
         fuse_ops: replace norms, softmax, GELU, SwiGLU and dropout+add with fused kernels
             (``state_dict`` keys unchanged).
         gradient_compression: compress gradients before the dp reduction: ``None`` or a mode
@@ -97,6 +101,7 @@ class NPUHybridStrategy(DDPStrategy):
         tp_plan: Any = "auto",
         sequence_parallel: bool = False,
         activation_checkpointing: Union[None, int, str] = None,
+        memory_budget_gb: Optional[float] = None,
         fuse_ops: bool = False,
         gradient_compression: Optional[str] = None,
         bucket_size_mb: float = 25.0,
@@ -119,6 +124,7 @@ class NPUHybridStrategy(DDPStrategy):
             tp_plan=tp_plan,
             sequence_parallel=sequence_parallel,
             activation_checkpointing=activation_checkpointing,
+            memory_budget_gb=memory_budget_gb,
             fuse_ops=fuse_ops,
             gradient_compression=gradient_compression,
             bucket_size_mb=bucket_size_mb,
@@ -135,6 +141,8 @@ class NPUHybridStrategy(DDPStrategy):
         )
         self._device_mesh: Optional[DeviceMesh] = None
         self.fusion_report: Any = None
+        self.recompute_report: Any = None  # lightning_npu.parallel.recompute.RecomputeReport (activation_checkpointing)
+        self._auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
         # checkpoints: write DCP shards in a background thread; rank 0 commits each as soon as every rank wrote it
         self.async_save = async_save
         # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
@@ -172,6 +180,7 @@ class NPUHybridStrategy(DDPStrategy):
             self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
 
     def setup_environment(self) -> None:
+        dev.configure_allocator(self.root_device.type)  # before the process's first device allocation
         self._plan_tensor_parallel()  # a tp plan that does not fit the model fails before any process group
         self._plan_pipeline()  # so does a pipeline split (pp larger than the blocks, no pipeline_loss, ...)
         super().setup_environment()
@@ -213,6 +222,8 @@ class NPUHybridStrategy(DDPStrategy):
             pipeline=self._pipeline if self._pipeline is not None and self._pipeline.module is model else None,
         )
         self.fusion_report = result.fusion_report
+        self.recompute_report = result.recompute_report
+        self._auto_recompute = result.auto_recompute
         self._pipeline = result.pipeline
         self._grad_sync = result.grad_sync
         return result.model
@@ -251,8 +262,16 @@ class NPUHybridStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
             return self._pipeline_step("train", *args, **kwargs)
+        auto = self._auto_recompute
+        if auto is not None:  # activation_checkpointing="auto": step 1 is measured, step 2 decides
+            auto.before_step(self.lightning_module, self.optimizers, self.root_device,
+                             dev.free_memory_bytes(self.root_device) / max(1, self.num_processes))
         with self._loss_context():
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        if auto is not None:
+            auto.after_forward()
+            self.recompute_report = auto.report or self.recompute_report
+        return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:

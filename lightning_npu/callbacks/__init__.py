@@ -8,6 +8,7 @@ or the same list under ``trainer.callbacks`` in a LightningCLI config. Recovery 
 from lightning_npu.callbacks._store import CheckpointCorruptedError
 from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
 from lightning_npu.callbacks.health import GradientHealthGuard
+from lightning_npu.callbacks.memory import MemoryMonitor
 from lightning_npu.callbacks.metrics import PrometheusMetrics
 from lightning_npu.callbacks.preemption import PreemptionCheckpoint
 from lightning_npu.callbacks.recovery import TrainingFailure, TrainingGuard
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "DynamicCheckpoint",
     "GradientHealthGuard",
+    "MemoryMonitor",
     "PreemptionCheckpoint",
     "PrometheusMetrics",
     "TrainingFailure",

@@ -72,6 +72,7 @@ class ParallelConfig:
     tp_plan: Any = "auto"
     sequence_parallel: bool = False
     activation_checkpointing: Union[None, int, str] = None
+    memory_budget_gb: Optional[float] = None
     fuse_ops: bool = False
     gradient_compression: Optional[str] = None
     bucket_size_mb: float = 25.0
@@ -128,11 +129,27 @@ class ParallelConfig:
                 "`tensor_parallel_size>1` and a tp_plan; set sequence_parallel=False or raise tensor_parallel_size."
             )
         ac = self.activation_checkpointing
-        if not (ac is None or ac == "selective" or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
+        if not (ac is None or ac in ("full", "selective", "auto")
+                or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
             raise ParallelConfigError(
-                f"`activation_checkpointing={ac!r}` must be None, 'selective' or a positive int "
-                "(checkpoint every N blocks)."
+                f"`activation_checkpointing={ac!r}` must be None, a positive int N (recompute every N-th block), "
+                "'full' (every block), 'selective' (every block, keeping matmul outputs) or 'auto' (fit a memory "
+                "budget)."
             )
+        budget = self.memory_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not (math.isfinite(budget) and budget > 0)):
+            raise ParallelConfigError(
+                f"`memory_budget_gb={budget!r}` must be a positive number of GB (10**9 bytes) per rank, or None for "
+                "the device's free memory.")
+        if budget is not None and ac != "auto":
+            raise ParallelConfigError(
+                f"`memory_budget_gb={budget!r}` is read only by activation_checkpointing='auto' "
+                f"(got activation_checkpointing={ac!r}); set both, or drop memory_budget_gb.")
+        if ac == "auto" and self.pipeline_parallel_size > 1:
+            raise ParallelConfigError(
+                "`activation_checkpointing='auto'` measures one ordinary forward, which a pipeline schedule does not "
+                f"run (pipeline_parallel_size={self.pipeline_parallel_size}); choose an int N, 'full' or 'selective'.")
         if self.gradient_compression not in GRADIENT_COMPRESSIONS:
             raise ParallelConfigError(
                 f"`gradient_compression={self.gradient_compression!r}` is unknown; choose one of "
@@ -174,7 +191,6 @@ class ParallelConfig:
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
         pending = {
-            "activation_checkpointing": (self.activation_checkpointing is not None, "activation checkpointing"),
             "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
             "hierarchical_allreduce": (self.hierarchical_allreduce is True, "hierarchical all-reduce"),
         }

@@ -45,6 +45,8 @@ class Parallelized:
     pipeline: Any = None  # pipeline.PipelineRunner when pp > 1
     grad_sync: gs.GradientSync = field(default_factory=gs.GradientSync)
     fusion_report: Any = None
+    recompute_report: Any = None  # recompute.RecomputeReport when activation_checkpointing is set
+    auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
 
 
 def parallelize(
@@ -67,11 +69,16 @@ def parallelize(
     fusion_report = apply_fused_ops(model, device) if cfg.fuse_ops else None
     zero23 = cfg.zero_stage in (2, 3)
     tp_names = apply_tp(model, mesh, tp_plan, localize=not zero23)
-    apply_ac(model, cfg.activation_checkpointing)
+    recompute_report = apply_ac(model, cfg.activation_checkpointing)
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
     wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs)
-    return Parallelized(wrapped, pipeline, sync, fusion_report)
+    auto = None
+    if cfg.activation_checkpointing == "auto":
+        from lightning_npu.parallel.recompute import AutoRecompute
+
+        auto = AutoRecompute(model, cfg.memory_budget_gb * 1e9 if cfg.memory_budget_gb else None)
+    return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report, auto)
 
 
 def apply_fused_ops(model: nn.Module, device: torch.device) -> Any:
@@ -102,10 +109,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
     return tp.tensor_parallel_parameter_names(model)
 
 
-def apply_ac(model: nn.Module, policy: Any) -> None:
-    """Activation checkpointing of the blocks (`ParallelConfig` refuses every policy but None for now)."""
-    if policy is not None:
-        raise NotImplementedError(f"activation_checkpointing={policy!r}")
+def apply_ac(model: nn.Module, policy: Any) -> Any:
+    """Recompute blocks' activations in backward (`recompute`); hooks only, so names and the module tree stay."""
+    if policy is None:
+        return None
+    from lightning_npu.parallel.recompute import apply_activation_checkpointing
+
+    return apply_activation_checkpointing(model, policy)
 
 
 def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any, device: torch.device) -> Any:

@@ -124,7 +124,7 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _find_blocks(module: nn.Module) -> str:
+def find_blocks(module: nn.Module) -> str:
     best, best_numel = None, -1
     for name, sub in module.named_modules():
         if isinstance(sub, nn.ModuleList) and len(sub) > 0:
@@ -133,7 +133,8 @@ def _find_blocks(module: nn.Module) -> str:
                 best, best_numel = name, n
     if best is None or best_numel <= 0:
         raise PipelineLayoutError(
-            f"pipeline parallelism found no nn.ModuleList of blocks with parameters in {type(module).__name__}; "
+            f"found no nn.ModuleList of blocks with parameters in {type(module).__name__} (pipeline parallelism and "
+            "activation checkpointing work block by block); "
             "declare `pipeline_layout = {'blocks': '<qualified name of the ModuleList>', ...}` on the LightningModule."
         )
     return best
@@ -257,7 +258,7 @@ def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
                 "stages per rank (or use pipeline_schedule='1f1b')."
             )
     num_stages = pp_size * virtual
-    blocks_fqn = layout.blocks or _find_blocks(module)
+    blocks_fqn = layout.blocks or find_blocks(module)
     try:
         blocks = module.get_submodule(blocks_fqn)
     except AttributeError:
