@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
+from lightning_npu.doctor import command as doctor_command
+from lightning_npu.planner.cli import command as plan_command
 
 PROG = "lightning-npu"
 LATEST = "latest"
@@ -73,6 +75,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], Any], str]] = {
         convert_checkpoint,
         "Consolidate a sharded checkpoint into one file of full tensors (SRC DST; see its --help).",
     ),
+    "plan": (plan_command, "Rank parallel layouts of a model on a cluster by estimated memory and tokens/s (see --help)."),
+    "doctor": (doctor_command, "Check that this machine is ready to train: versions, devices, backends, HCCL (--json)."),
 }
 
 # `--trainer.strategy.help npu_hybrid`: jsonargparse wants a class path; registered names map to their class.

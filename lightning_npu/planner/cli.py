@@ -1,0 +1,223 @@
+"""`lightning-npu plan`: the planner on the command line (a table for people, ``--json`` for programs).
+
+``--memory-only --params N --devices D --zero-stage S`` prints the model-state bytes per rank of one ZeRO
+stage; its default precision is ``bf16-true`` (16-bit weights and gradients with fp32 master copies: the
+ZeRO paper's mixed precision, K = 12), so the paper's figures come out as printed there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional
+
+from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
+from lightning_npu.planner.search import Estimate, Plan, plan
+from lightning_npu.planner.spec import (
+    ATTENTIONS, MLPS, PRECISIONS, SCHEDULES, ClusterSpec, ModelSpec, PlannerError, model_from_config,
+)
+
+PROG = "lightning-npu plan"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Rank tensor x pipeline x data parallel x ZeRO layouts of a decoder-only transformer on a cluster "
+        "by estimated tokens/s, with memory per device by component, and print the LightningCLI strategy block of "
+        "the best one. Estimates, not measurements: see docs/planning.md for the models' assumptions.",
+    )
+    m = p.add_argument_group("model (a LightningCLI config, or the sizes; sizes given override the config)")
+    m.add_argument("--model", help="LightningCLI YAML whose model block gives the sizes, "
+                   "e.g. examples/llama/config.yaml")
+    for flag, help_text in [("--layers", "transformer blocks"), ("--hidden", "hidden size"),
+                            ("--heads", "attention heads"), ("--kv-heads", "key/value heads (GQA; default: heads)"),
+                            ("--ffn", "MLP width (default 4 x hidden)"), ("--vocab", "vocabulary size"),
+                            ("--seq", "sequence length"), ("--global-batch", "sequences per optimizer step")]:
+        m.add_argument(flag, type=int, help=help_text)
+    m.add_argument("--mlp", choices=MLPS, help="gelu (GPT, 2 matrices) or swiglu (Llama, 3); default gelu")
+    m.add_argument("--attention", choices=ATTENTIONS,
+                   help="eager keeps the softmax probabilities for backward, flash does not (default flash)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--devices", type=int, help="devices in all (required)")
+    c.add_argument("--devices-per-node", type=int, default=8)
+    c.add_argument("--device-memory-gb", type=float, default=64.0, help="per device, 10^9 bytes")
+    c.add_argument("--peak-tflops", type=float, default=280.0, help="dense 16-bit peak per device")
+    c.add_argument("--intra-node-gbps", type=float, default=392.0,
+                   help="GB/s (bytes) per device inside a node, as HCCS/NVLink are quoted (default 392)")
+    c.add_argument("--inter-node-gbps", type=float, default=200.0,
+                   help="Gb/s (bits) per device between nodes, as NICs are quoted (default 200: one 200G RoCE NIC)")
+    c.add_argument("--gemm-efficiency", type=float, default=0.5, help="fraction of peak the matrix products reach")
+    c.add_argument("--latency-us", type=float, default=10.0, help="per-message latency (alpha)")
+    t = p.add_argument_group("training")
+    t.add_argument("--precision", choices=PRECISIONS,
+                   help="Trainer precision (default bf16-mixed; bf16-true with --memory-only)")
+    t.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw")
+    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    t.add_argument("--top", type=int, default=10, help="layouts to print")
+    t.add_argument("--json", action="store_true", help="the same figures as JSON")
+    mo = p.add_argument_group("model states only (the ZeRO paper's table)")
+    mo.add_argument("--memory-only", action="store_true",
+                    help="print the model-state bytes per device of --params over --devices for --zero-stage")
+    mo.add_argument("--params", type=float, help="parameters, e.g. 7.5e9")
+    mo.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
+    return p
+
+
+def _model(opts: argparse.Namespace) -> ModelSpec:
+    sizes = {"layers": opts.layers, "hidden": opts.hidden, "heads": opts.heads, "kv_heads": opts.kv_heads,
+             "ffn": opts.ffn, "vocab": opts.vocab, "seq": opts.seq, "global_batch": opts.global_batch,
+             "mlp": opts.mlp, "attention": opts.attention}
+    if opts.model:
+        return model_from_config(opts.model, **sizes)
+    missing = [f"--{k.replace('_', '-')}" for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch")
+               if sizes[k] is None]
+    if missing:
+        raise PlannerError(f"give --model CONFIG.yaml or the model's sizes: missing {' '.join(missing)}.")
+    return ModelSpec(**{k: v for k, v in sizes.items() if v is not None})
+
+
+def _cluster(opts: argparse.Namespace) -> ClusterSpec:
+    if opts.devices is None:
+        raise PlannerError("--devices is required (the number of devices in all, e.g. --devices 64).")
+    return ClusterSpec(opts.devices, opts.devices_per_node, opts.device_memory_gb, opts.peak_tflops,
+                       opts.intra_node_gbps, opts.inter_node_gbps, opts.gemm_efficiency, opts.latency_us)
+
+
+def memory_only(opts: argparse.Namespace) -> dict[str, Any]:
+    if opts.params is None or not opts.params > 0:
+        raise PlannerError(f"--memory-only needs --params > 0 (e.g. --params 7.5e9), got {opts.params!r}.")
+    if opts.devices is None or opts.devices < 1:
+        raise PlannerError(f"--memory-only needs --devices >= 1 (the data-parallel ranks), got {opts.devices!r}.")
+    if opts.zero_stage is None:
+        raise PlannerError("--memory-only needs --zero-stage 0, 1, 2 or 3.")
+    precision = opts.precision or "bf16-true"
+    optimizer = "adam" if opts.optimizer == "adamw" else opts.optimizer
+    parts = model_state_bytes(opts.params, opts.devices, opts.zero_stage, precision, optimizer)
+    w, g, master, _ = PRECISION_BYTES[precision]
+    return {
+        "params": opts.params, "devices": opts.devices, "zero_stage": opts.zero_stage, "precision": precision,
+        "optimizer": optimizer,
+        "bytes_per_param": {"weights": w, "gradients": g, "optimizer_K": master + OPTIMIZER_BYTES[optimizer]},
+        "memory_gb": {**{k: v / GB for k, v in parts.items()}, "total": sum(parts.values()) / GB},
+        "total_gb_rounded": round_gb(sum(parts.values())),
+    }
+
+
+def _memory_only_text(r: dict[str, Any]) -> str:
+    b, gb = r["bytes_per_param"], r["memory_gb"]
+    return "\n".join([
+        f"{r['params']:.4g} parameters, {r['devices']} data-parallel devices, ZeRO stage {r['zero_stage']}, "
+        f"{r['optimizer']}, precision {r['precision']} ({b['weights']} B weights + {b['gradients']} B gradients + "
+        f"K={b['optimizer_K']} B optimizer state per parameter)",
+        f"  weights {gb['parameters']:.2f} GB + gradients {gb['gradients']:.2f} GB + optimizer {gb['optimizer']:.2f} GB"
+        f" = {r['total_gb_rounded']:.1f} GB per device (GB = 10^9 bytes; activations and buffers not included)",
+    ])
+
+
+def strategy_block(result: Plan, best: Estimate) -> str:
+    """The LightningCLI ``trainer:`` lines (with the ``strategy:`` block) that run the best layout."""
+    cl = result.cluster
+    nodes = max(1, cl.devices // cl.devices_per_node)
+    lines = [
+        f"# lightning-npu plan: {best.layout.describe()}; estimated {best.tokens_per_s:,.0f} tokens/s, "
+        f"{best.memory.total / GB:.1f} GB per device",
+        "trainer:",
+        f"  num_nodes: {nodes}",
+        f"  devices: {min(cl.devices, cl.devices_per_node)}",
+        f"  precision: {result.precision}",
+        "  strategy:",
+        "    class_path: lightning_npu.NPUHybridStrategy",
+        "    init_args:",
+    ]
+    for key, value in best.layout.strategy_init_args().items():
+        lines.append(f"      {key}: {json.dumps(value)}")
+    lay = best.layout
+    if lay.pp == 1 and lay.micro_batches > 1:  # without a pipeline, micro-batches are Lightning's accumulation
+        lines.insert(5, f"  accumulate_grad_batches: {lay.micro_batches}")
+        lines.append(f"# data: batch_size {lay.micro_batch_size} per data-parallel rank and step")
+    else:  # the pipeline splits each rank's batch into its micro-batches
+        lines.append(f"# data: batch_size {lay.micro_batches * lay.micro_batch_size} per data-parallel rank "
+                     f"({lay.micro_batches} micro-batches of {lay.micro_batch_size})")
+    return "\n".join(lines)
+
+
+def _table(result: Plan, top: int) -> str:
+    shown = result.ranked[:top]
+    unit, scale = ("GB", 1.0) if max(e.memory.total for e in shown) >= GB else ("MB", 1e3)
+    head = ["#", "tp", "pp", "dp", "zero", "M x b", "sp", "recompute", "weights", "grads", "optim", "activ", "buffers",
+            f"total {unit}", "step s", "tokens/s", "TFLOP/s/dev"]
+    rows = []
+    for i, e in enumerate(shown, 1):
+        lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
+        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage),
+                     f"{lay.micro_batches}x{lay.micro_batch_size}", "y" if lay.sequence_parallel else "-",
+                     lay.recompute or "-", *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer",
+                                                                     "activations", "buffers", "total")),
+                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
+                     f"{e.time.tflops_per_device(result.cluster.devices):.1f}"])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([fmt(head), *(fmt(r) for r in rows)])
+
+
+def _rejections(result: Plan) -> list[str]:
+    return [f"  {n:>6} x {reason}" for reason, n in result.rejected.most_common()]
+
+
+def run(opts: argparse.Namespace) -> int:
+    if opts.memory_only:
+        r = memory_only(opts)
+        print(json.dumps(r, indent=2) if opts.json else _memory_only_text(r))
+        return 0
+    if opts.top < 1:
+        raise PlannerError(f"--top {opts.top}: must be at least 1.")
+    model, cluster = _model(opts), _cluster(opts)
+    result = plan(model, cluster, precision=opts.precision or "bf16-mixed", optimizer=opts.optimizer,
+                  schedule=opts.schedule)
+    if opts.json:
+        print(json.dumps({
+            "model": {**model.__dict__, "params": model.num_params()},
+            "cluster": cluster.__dict__, "precision": result.precision, "optimizer": result.optimizer,
+            "considered": result.considered, "rejected": dict(result.rejected),
+            "layouts": [e.to_dict(cluster.devices) for e in result.ranked[: opts.top]],
+            "strategy_block": strategy_block(result, result.best) if result.best else None,
+        }, indent=2))
+        return 0 if result.best else 1
+    print(f"model: {model.num_params() / 1e9:.3g}B parameters ({model.layers} layers, hidden {model.hidden}, "
+          f"{model.heads} heads, seq {model.seq}, global batch {model.global_batch}); {cluster.devices} devices "
+          f"({cluster.devices_per_node} per node, {cluster.device_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s at "
+          f"{cluster.gemm_efficiency:.0%}); {result.precision}, {result.optimizer}")
+    if not result.best:
+        print(f"no layout fits: all {result.considered} were rejected:", *_rejections(result), sep="\n")
+        print("fix: more devices or device memory, a smaller global batch or sequence, or a smaller model.")
+        return 1
+    print(f"{len(result.ranked)} of {result.considered} layouts fit; the best {min(opts.top, len(result.ranked))} "
+          "by estimated tokens/s (memory per device of the stage that needs the most; GB = 10^9 bytes):")
+    print(_table(result, opts.top))
+    if result.rejected:
+        print("rejected:", *_rejections(result), sep="\n")
+    print("\nLightningCLI config for the best layout:\n" + strategy_block(result, result.best))
+    return 0
+
+
+def main(args: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    opts = parser.parse_args(args)
+    try:
+        return run(opts)
+    except PlannerError as err:
+        parser.error(str(err))  # exits 2 with the usage line
+        return 2
+
+
+def command(args: list[str]) -> None:
+    """`COMMANDS` entry of `lightning_npu.cli`."""
+    code = main(args)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    command(sys.argv[1:])

@@ -1,0 +1,191 @@
+"""Bytes per rank of a layout: model states by ZeRO stage, saved activations, communication buffers.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020): per parameter a rank holds the weights, the
+gradients and K bytes of optimizer state (fp32 master copy + Adam's two moments = 4 + 8 = 12 under 16-bit
+weights); stage 1 shards the optimizer state over dp, stage 2 the gradients too, stage 3 the weights too.
+What each precision keeps (lightning-npu's `HybridPrecision`):
+
+=============  =======  =========  =================  ===========
+precision      weights  gradients  fp32 master copy   activations
+=============  =======  =========  =================  ===========
+32-true        4        4          -                  4
+bf16-mixed     4        4          -                  2 (autocast)
+bf16-true      2        2          4                  2
+=============  =======  =========  =================  ===========
+
+``bf16-true``/``16-true`` is the paper's "mixed precision" (2 + 2 + K=12 = 16 bytes per parameter);
+``bf16-mixed`` keeps fp32 weights under autocast (4 + 4 + 8 = 16 bytes, split differently).
+
+Activations count the tensors autograd saves for backward in a pre-norm decoder block, per token (h hidden,
+f MLP width, a heads, s sequence, t tensor-parallel size): the two norm inputs (2h, split by sequence
+parallelism), the two norm outputs (2h), q/k/v ((h + 2 kv)/t), the attention output (h/t), the MLP's inner
+tensors (2f/t for GELU, 4f/t for SwiGLU), the softmax probabilities (a s / t) unless attention is fused
+(flash) or recomputed (selective), and the norms' fp32 statistics. Full recomputation keeps only each block's
+input, plus one block's activations while it is recomputed. The last stage adds the final norm and the fp32
+log-probabilities of the loss (4 V / t bytes per token). A pipeline stage i keeps min(P - i, M) micro-batches
+in flight under 1F1B and M under GPipe (interleaved 1F1B: see `in_flight_micro_batches`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_npu.planner.spec import Layout, ModelSpec
+
+# precision -> (weight, gradient, fp32 master, activation) bytes per element
+PRECISION_BYTES = {
+    "32-true": (4, 4, 0, 4),
+    "bf16-mixed": (4, 4, 0, 2),
+    "16-mixed": (4, 4, 0, 2),
+    "bf16-true": (2, 2, 4, 2),
+    "16-true": (2, 2, 4, 2),
+}
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # fp32 state per stepped parameter (moments / momentum)
+GB = 1e9  # the ZeRO paper's GB
+
+
+def model_state_bytes(params: float, dp: int, zero_stage: int, precision: str = "bf16-true",
+                      optimizer: str = "adam", accounting: str = "paper") -> dict[str, float]:
+    """Bytes per rank of weights, gradients and optimizer state (master copies included) for `params`
+    parameters replicated over `dp` ranks, at one ZeRO stage.
+
+    ``accounting="paper"`` is the ZeRO paper's; ``"lightning-npu"`` differs at stage 1 only, where our
+    distributed optimizer (Megatron's) reduce-scatters the gradients into fp32 slices bucket by bucket during
+    backward (the model's gradients are freed as their bucket is reduced: the buckets are counted as buffers),
+    and steps fp32 master slices even for fp32 weights.
+    """
+    w, g, master, _ = PRECISION_BYTES[precision]
+    k = master + OPTIMIZER_BYTES[optimizer]
+    if accounting == "lightning-npu" and zero_stage == 1 and dp > 1:
+        return {"parameters": params * w, "gradients": params * 4 / dp,
+                "optimizer": params * (4 + OPTIMIZER_BYTES[optimizer]) / dp}
+    return {
+        "parameters": params * w / (dp if zero_stage >= 3 else 1),
+        "gradients": params * g / (dp if zero_stage >= 2 else 1),
+        "optimizer": params * k / (dp if zero_stage >= 1 else 1),
+    }
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's bytes per rank, by component."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_gb(self) -> dict[str, float]:
+        keys = ("parameters", "gradients", "optimizer", "activations", "buffers")
+        out = {k: getattr(self, k) / GB for k in keys}
+        out["total"] = self.total / GB
+        return out
+
+
+def stage_layers(model: ModelSpec, pp: int) -> list[int]:
+    """Blocks per pipeline stage, the earlier stages taking the remainder (as `torch.distributed.pipelining`
+    splits are usually balanced by count)."""
+    base, rest = divmod(model.layers, pp)
+    return [base + (1 if i < rest else 0) for i in range(pp)]
+
+
+def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp."""
+    t = layout.tp
+    n = stage_layers(model, layout.pp)[stage]
+    params = n * (model.layer_matrix_params() / t + 2 * model.norm_params())
+    if stage == 0:
+        params += model.vocab * model.hidden / t + (model.seq * model.hidden if model.learned_positions else 0)
+    if stage == layout.pp - 1:
+        params += (0 if model.tied_embeddings else model.vocab * model.hidden / t) + model.norm_params()
+    return params
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, recompute: str | None) -> float:
+    """Bytes one block saves for backward per token (see the module docstring)."""
+    h, f, t, s = model.hidden, model.n_ffn, layout.tp, model.seq
+    norm_in = 2 * h / (t if layout.sequence_parallel else 1)
+    if recompute == "full":
+        return act_bytes * norm_in / 2
+    elements = norm_in + 2 * h + (h + 2 * model.kv_dim) / t + h / t + (4 if model.mlp == "swiglu" else 2) * f / t
+    if model.attention == "eager" and recompute != "selective":
+        elements += model.heads * s / t
+    stats = 2 * (2 if model.norm == "layernorm" else 1) * 4
+    return act_bytes * elements + stats
+
+
+def in_flight_micro_batches(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations `stage` holds at its peak: M under GPipe, min(P - i, M) under 1F1B; under
+    interleaved 1F1B with v chunks per rank, ((P - i - 1) * 2 + (v - 1) * P + 1) chunks of 1/v of the stage."""
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    if layout.schedule == "gpipe":
+        return m
+    if v > 1:
+        return min(m, ((p - stage - 1) * 2 + (v - 1) * p + 1) / v)
+    return min(p - stage, m)
+
+
+def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, act_bytes: int) -> float:
+    tokens = layout.micro_batch_size * model.seq
+    n = stage_layers(model, layout.pp)[stage]
+    in_flight = in_flight_micro_batches(layout, stage)
+    per_mb = n * layer_activation_bytes(model, layout, act_bytes, layout.recompute)
+    if stage == 0:
+        per_mb += 8  # token ids the embedding keeps
+    if stage == layout.pp - 1:
+        per_mb += act_bytes * 2 * model.hidden + 4 * model.vocab / layout.tp + 8
+    total = in_flight * tokens * per_mb
+    if layout.recompute == "full" and n:  # one block's full activations while it is recomputed
+        total += tokens * layer_activation_bytes(model, layout, act_bytes, None)
+    return total
+
+
+def buffer_bytes(model: ModelSpec, layout: Layout, weight_bytes: int, act_bytes: int,
+                 bucket_size_mb: float = 25.0) -> float:
+    """Communication buffers: dp gradient buckets (ZeRO 0/1), FSDP's gathered block (ZeRO 2/3, two in flight
+    with prefetch), pipeline send/receive buffers."""
+    out = 0.0
+    if layout.dp > 1:
+        if layout.zero_stage <= 1:
+            out += 2 * bucket_size_mb * 2**20
+        else:
+            out += 2 * model.layer_matrix_params() / layout.tp * weight_bytes
+    if layout.pp > 1:
+        out += 2 * layout.micro_batch_size * model.seq * model.hidden * act_bytes
+    return out
+
+
+def memory_by_stage(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed",
+                    optimizer: str = "adamw", stages: Optional[Iterable[int]] = None) -> list[StageMemory]:
+    """Bytes per rank of every pipeline stage, or of `stages` (ranks of one stage hold the same)."""
+    w, _, _, act = PRECISION_BYTES[precision]
+    out = []
+    for stage in range(layout.pp) if stages is None else sorted(set(stages)):
+        states = model_state_bytes(stage_params(model, layout, stage), layout.dp, layout.zero_stage,
+                                   precision, optimizer, accounting="lightning-npu")
+        out.append(StageMemory(stage, states["parameters"], states["gradients"], states["optimizer"],
+                               stage_activation_bytes(model, layout, stage, act),
+                               buffer_bytes(model, layout, w, act)))
+    return out
+
+
+def peak_memory(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed",
+                optimizer: str = "adamw") -> StageMemory:
+    """The stage whose ranks need the most memory: what must fit on a device. The first stage (most
+    micro-batches in flight, the embedding, the most blocks) or the last (the loss's log-probabilities)."""
+    return max(memory_by_stage(model, layout, precision, optimizer, (0, layout.pp - 1)), key=lambda m: m.total)
+
+
+def round_gb(value_bytes: float, digits: int = 1) -> float:
+    """GB (10^9 bytes), rounded half up as the paper's table is (1.875 -> 1.9)."""
+    scale = 10**digits
+    return math.floor(value_bytes / GB * scale + 0.5) / scale

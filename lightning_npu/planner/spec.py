@@ -1,0 +1,278 @@
+"""What the planner is asked about: a decoder-only transformer, a cluster, and one layout.
+
+Plain dataclasses that validate themselves, so that a bad size fails here, naming the argument and
+the fix, before any arithmetic. `model_from_config` reads the ``model:`` block of a LightningCLI config
+(the example GPT's and Llama's argument names, or Hugging Face's) so that ``--model config.yaml`` works.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+ATTENTIONS = ("eager", "flash")
+MLPS = ("gelu", "swiglu")
+RECOMPUTE = (None, "selective", "full")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+VIRTUAL_STAGES = 2  # stages per rank under interleaved_1f1b (the strategy's default pipeline_layout)
+
+
+class PlannerError(ValueError):
+    """A size or option the planner cannot use; the message names the argument and the fix."""
+
+
+def _positive(name: str, value: Any, kind: type = int) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        what = "a positive integer" if kind is int else "a positive number"
+        raise PlannerError(f"`{name}={value!r}` must be {what}; pass e.g. `{name}=8`.")
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise PlannerError(f"`{name}={value!r}` is unknown; choose one of {list(choices)}.")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A pre-norm decoder: `layers` blocks of attention (`heads`, `kv_heads` for GQA) and an MLP of width `ffn`.
+
+    ``mlp="gelu"`` is GPT's two-matrix MLP, ``"swiglu"`` Llama's three. ``attention="eager"`` keeps the
+    softmax probabilities (heads x seq per token) for backward, ``"flash"`` does not. `seq` is the training
+    sequence length and `global_batch` the sequences per optimizer step.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    global_batch: int
+    ffn: Optional[int] = None
+    kv_heads: Optional[int] = None
+    mlp: str = "gelu"
+    attention: str = "flash"
+    bias: bool = False
+    norm: str = "layernorm"
+    tied_embeddings: bool = False
+    learned_positions: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
+            _positive(name, getattr(self, name))
+        if self.ffn is not None:
+            _positive("ffn", self.ffn)
+        if self.kv_heads is not None:
+            _positive("kv_heads", self.kv_heads)
+        if self.hidden % self.heads:
+            raise PlannerError(
+                f"`heads={self.heads}` does not divide `hidden={self.hidden}`; every head needs hidden/heads "
+                "features: pick heads among the divisors of hidden (e.g. hidden/64 or hidden/128)."
+            )
+        if self.heads % self.n_kv_heads:
+            raise PlannerError(
+                f"`kv_heads={self.kv_heads}` does not divide `heads={self.heads}`; grouped-query attention shares "
+                "each key/value head among heads/kv_heads query heads: pick a divisor of heads."
+            )
+        _choice("mlp", self.mlp, MLPS)
+        _choice("attention", self.attention, ATTENTIONS)
+        _choice("norm", self.norm, ("layernorm", "rmsnorm"))
+
+    @property
+    def n_ffn(self) -> int:
+        return int(self.ffn) if self.ffn is not None else 4 * self.hidden
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.kv_heads) if self.kv_heads is not None else self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.n_kv_heads
+
+    # ---- parameter counts (elements) -------------------------------------------------------
+    def layer_matrix_params(self) -> int:
+        """Elements of one block's weight matrices (and their biases): what tensor parallelism splits."""
+        h, f, kv = self.hidden, self.n_ffn, self.kv_dim
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * f
+        biases = (h + 2 * kv) + h + (2 * f if self.mlp == "swiglu" else f) + h if self.bias else 0
+        return attn + mlp + biases
+
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
+
+    def layer_params(self) -> int:
+        return self.layer_matrix_params() + 2 * self.norm_params()
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0)
+
+    def head_params(self) -> int:
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.norm_params()
+
+    def num_params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """`devices` accelerators, `devices_per_node` per node, each with `device_memory_gb` (10^9 bytes) and a
+    dense 16-bit peak of `peak_tflops`. Links: `intra_node_GBps` (GB/s per device, e.g. HCCS or NVLink) and
+    `inter_node_Gbps` (Gbit/s per device, e.g. one 200 Gb/s RoCE or InfiniBand NIC per device), each with a
+    per-message latency `latency_us`. `gemm_efficiency` is the fraction of peak that the matrix products
+    reach on one device; `memory_headroom` the fraction of device memory left for the allocator, workspace
+    and fragmentation."""
+
+    devices: int
+    devices_per_node: int = 8
+    device_memory_gb: float = 64.0
+    peak_tflops: float = 280.0
+    intra_node_GBps: float = 392.0
+    inter_node_Gbps: float = 200.0
+    gemm_efficiency: float = 0.5
+    latency_us: float = 10.0
+    memory_headroom: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "devices_per_node"):
+            _positive(name, getattr(self, name))
+        for name in ("device_memory_gb", "peak_tflops", "intra_node_GBps", "inter_node_Gbps", "gemm_efficiency"):
+            _positive(name, getattr(self, name), float)
+        if self.gemm_efficiency > 1:
+            raise PlannerError(f"`gemm_efficiency={self.gemm_efficiency}` is a fraction of peak: pass e.g. 0.5.")
+        if not (0 <= self.memory_headroom < 1) or not (self.latency_us >= 0):
+            raise PlannerError("`memory_headroom` must be in [0, 1) and `latency_us` >= 0, e.g. 0.1 and 10.")
+        if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
+            raise PlannerError(
+                f"`devices={self.devices}` is not a whole number of nodes of `devices_per_node="
+                f"{self.devices_per_node}`; pass a multiple of devices_per_node."
+            )
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.device_memory_gb * 1e9 * (1 - self.memory_headroom)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: tp x pp x dp ranks, a ZeRO stage, `micro_batches` per step per dp rank of
+    `micro_batch_size` sequences, activation recomputation and sequence parallelism."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    micro_batches: int
+    micro_batch_size: int
+    recompute: Optional[str] = None
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def virtual_stages(self) -> int:
+        return VIRTUAL_STAGES if self.schedule == "interleaved_1f1b" and self.pp > 1 else 1
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"zero{self.zero_stage}",
+                 f"M{self.micro_batches}x{self.micro_batch_size}"]
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts.append(self.schedule)
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.recompute:
+            parts.append(f"ac-{self.recompute}")
+        return " ".join(parts)
+
+    def strategy_init_args(self) -> dict[str, Any]:
+        """The `NPUHybridStrategy` arguments of this layout (LightningCLI's ``init_args``)."""
+        args: dict[str, Any] = {
+            "tensor_parallel_size": self.tp,
+            "pipeline_parallel_size": self.pp,
+            "data_parallel_size": self.dp,
+            "zero_stage": self.zero_stage,
+        }
+        if self.pp > 1:
+            args["micro_batches"] = self.micro_batches
+            args["pipeline_schedule"] = self.schedule
+        if self.sequence_parallel:
+            args["sequence_parallel"] = True
+        if self.recompute:
+            args["activation_checkpointing"] = self.recompute
+        return args
+
+
+# ---- a model from a LightningCLI config ------------------------------------------------------
+_KEYS = {  # ModelSpec field -> accepted names in a config's model init_args (ours, then Hugging Face's)
+    "layers": ("n_layer", "num_hidden_layers", "num_layers"),
+    "hidden": ("n_embd", "hidden_size", "d_model"),
+    "heads": ("n_head", "num_attention_heads"),
+    "kv_heads": ("num_key_value_heads", "n_kv_head"),
+    "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner"),
+    "vocab": ("vocab_size",),
+    "seq": ("block_size", "max_position_embeddings", "seq_len"),
+}
+# defaults of the example modules, for arguments a config leaves out
+_EXAMPLE_DEFAULTS = {
+    "GPTModule": dict(layers=4, hidden=128, heads=4, vocab=256, seq=128, bias=True),
+    "LlamaModule": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=256, seq=128),
+}
+
+
+def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
+    """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
+    ``batch_size`` x devices give seq and global batch unless `overrides` set them)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise PlannerError(
+            f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml."
+        )
+    config = yaml.safe_load(path.read_text()) or {}
+    model = config.get("model") or {}
+    if not isinstance(model, dict):
+        raise PlannerError(f"{path}: `model:` must be a mapping with class_path and init_args.")
+    args = dict(model.get("init_args") or {k: v for k, v in model.items() if k != "class_path"})
+    cls = str(model.get("class_path", "")).rsplit(".", 1)[-1]
+    llama = "llama" in cls.lower() or "num_hidden_layers" in args
+    found: dict[str, Any] = dict(_EXAMPLE_DEFAULTS.get(cls, {}))
+    for fld, names in _KEYS.items():
+        for name in names:
+            if name in args:
+                found[fld] = args[name]
+                break
+    if "bias" in args:
+        found["bias"] = bool(args["bias"])
+    data = ((config.get("data") or {}).get("init_args") or {})
+    trainer = config.get("trainer") or {}
+    if "block_size" in data:
+        found["seq"] = data["block_size"]
+    devices = trainer.get("devices", 1)
+    if "batch_size" in data and isinstance(devices, int):
+        found["global_batch"] = int(data["batch_size"]) * devices
+    if llama:
+        found.setdefault("kv_heads", found.get("heads"))
+        found.update(mlp="swiglu", norm="rmsnorm", attention="eager")
+    else:
+        found.update(attention="eager", learned_positions=True, mlp="gelu")
+    found.update({k: v for k, v in overrides.items() if v is not None})
+    missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq", "global_batch") if f not in found]
+    if missing:
+        raise PlannerError(
+            f"{path}: the model block does not give {missing}; pass them as options (e.g. --layers 32 --hidden 4096)."
+        )
+    try:
+        return ModelSpec(**found)
+    except TypeError as err:
+        raise PlannerError(f"{path}: {err}") from None

@@ -1,0 +1,102 @@
+"""Seconds per optimizer step of a layout: compute, tensor-parallel all-reduces, the pipeline bubble and
+p2p, and the data-parallel gradient reduction, every transfer in the alpha-beta model
+(``latency + bytes / bandwidth``, ring collectives).
+
+Compute is 6 FLOPs per parameter per token for the matrix products plus 12 l h s for attention scores
+(forward and backward), 2 and 4 more with full recomputation (one more forward), at
+``gemm_efficiency`` x peak: with full recomputation this is exactly Narayanan et al.'s
+96 B s l h^2 (1 + s / 6h + V / 16 l h) per step. The pipeline runs M + P - 1 slots of one
+micro-batch's forward and backward, so the bubble is (P - 1) / (M + P - 1) of the step ((P - 1) / (v M + P - 1)
+with v interleaved stages per rank, at v times the p2p messages). Tensor-parallel
+all-reduces (2 in the forward, 2 in the backward of each block, 2 more when recomputing) are not
+overlapped. The dp gradient reduction (all-reduce; reduce-scatter + all-gather under ZeRO, same bytes)
+overlaps the backward of the last micro-batch; ZeRO-3's per-micro-batch gathers overlap its compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_npu.planner.memory import PRECISION_BYTES, stage_layers, stage_params
+from lightning_npu.planner.spec import ClusterSpec, Layout, ModelSpec
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    tp_comm_s: float
+    pipeline_s: float  # bubble + p2p
+    dp_comm_s: float  # exposed (not overlapped) part
+    step_s: float
+    flops_per_step: float  # model FLOPs including recomputation, as Megatron counts them
+
+    def tflops_per_device(self, devices: int) -> float:
+        return self.flops_per_step / self.step_s / devices / 1e12
+
+
+def flops_per_token(model: ModelSpec, recompute: str | None) -> tuple[float, float]:
+    """(FLOPs of one block, FLOPs of the output layer) per token, forward + backward (+ recomputation)."""
+    r = {None: 0, "selective": 0, "full": 1}[recompute]
+    block = (6 + 2 * r) * model.layer_matrix_params() + (12 + 4 * r) * model.hidden * model.seq
+    if recompute == "selective":
+        block += 4 * model.hidden * model.seq  # the attention scores and weighted sum again
+    return block, 6 * model.vocab * model.hidden
+
+
+def _ring(bytes_: float, n: int, bandwidth: float, latency: float, factor: float = 2.0) -> float:
+    """A ring all-reduce (factor 2) or reduce-scatter / all-gather (factor 1) of `bytes_` over `n` ranks."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return factor * (n - 1) * latency + factor * (n - 1) / n * bytes_ / bandwidth
+
+
+def _bandwidths(cluster: ClusterSpec) -> tuple[float, float]:
+    return cluster.intra_node_GBps * 1e9, cluster.inter_node_Gbps * 1e9 / 8
+
+
+def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision: str = "bf16-mixed") -> StepTime:
+    intra, inter = _bandwidths(cluster)
+    alpha = cluster.latency_us * 1e-6
+    w_bytes, g_bytes, _, act = PRECISION_BYTES[precision]
+    rate = cluster.peak_tflops * 1e12 * cluster.gemm_efficiency
+    tokens_mb = layout.micro_batch_size * model.seq
+    block, head = flops_per_token(model, layout.recompute)
+    layers = stage_layers(model, layout.pp)
+    per_stage = [n * block + (head if i == layout.pp - 1 else 0) for i, n in enumerate(layers)]
+    mb_compute = max(per_stage) * tokens_mb / layout.tp / rate  # one micro-batch on the slowest stage
+
+    # tensor parallel: all-reduces of b s h activations per block (reduce-scatter + all-gather with sp: same bytes)
+    tp_link = intra if layout.tp <= cluster.devices_per_node else inter
+    n_allreduce = 4 + (2 if layout.recompute == "full" else 0)
+    mb_tp = max(layers) * n_allreduce * _ring(tokens_mb * model.hidden * act, layout.tp, tp_link, alpha)
+
+    # pipeline: M + P - 1 slots; p2p of the activations (and their gradients) between stages
+    v = layout.virtual_stages
+    p2p = 0.0
+    if layout.pp > 1:
+        crosses_node = layout.tp * layout.dp >= cluster.devices_per_node
+        link = inter if crosses_node else intra
+        p2p = 2 * (alpha + tokens_mb * model.hidden * act / (layout.tp if layout.sequence_parallel else 1) / link)
+    compute = layout.micro_batches * mb_compute
+    tp_comm = layout.micro_batches * mb_tp
+    # bubble: P - 1 slots of one micro-batch's work (1/v of it when interleaved); p2p at every chunk boundary
+    pipeline = (layout.pp - 1) * (mb_compute + mb_tp) / v + v * (layout.micro_batches + layout.pp - 1) * p2p
+
+    # data parallel: the stage's gradients (fp32 reduction) over dp ranks; the group leaves the node when
+    # tp x dp does not fit in one
+    dp_link = intra if layout.tp * layout.dp <= cluster.devices_per_node else inter
+    params = max(stage_params(model, layout, i) for i in range(layout.pp))
+    grad_bytes = params * max(g_bytes, 4)
+    if layout.zero_stage == 3:
+        # every micro-batch gathers the weights twice (forward, backward) and reduce-scatters gradients once
+        per_mb = 2 * _ring(params * w_bytes, layout.dp, dp_link, alpha, 1) + _ring(grad_bytes, layout.dp, dp_link,
+                                                                                 alpha, 1)
+        dp_exposed = layout.micro_batches * max(0.0, per_mb - mb_compute)
+    else:
+        reduce = _ring(grad_bytes, layout.dp, dp_link, alpha, 2 if layout.zero_stage == 0 else 1)
+        gather = _ring(params * w_bytes, layout.dp, dp_link, alpha, 1) if layout.zero_stage >= 1 else 0.0
+        backward_window = mb_compute * 2 / 3  # the last micro-batch's backward
+        dp_exposed = max(0.0, reduce - backward_window) + gather
+    step = compute + tp_comm + pipeline + dp_exposed
+    flops = (model.layers * block + head) * model.global_batch * model.seq
+    return StepTime(compute, tp_comm, pipeline, dp_exposed, step, flops)
