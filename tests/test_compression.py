@@ -1,0 +1,146 @@
+"""Gradient compressors (`lightning_npu.parallel.compression`): bytes on the wire and error feedback, on 2 processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_npu.launch import spawn
+from lightning_npu.parallel.compression import (
+    CompressionConfigError,
+    CompressionSpec,
+    Compressor,
+    parse_compression,
+    spec_for,
+)
+
+N, STEPS = 100_003, 6  # an odd size: chunks and bit packing pad
+BOUNDS = {"bf16": 0.52, "int8": 0.27, "topk": 0.21, "onebit": 0.05}
+
+
+class _Wire:
+    """Bytes this rank hands to torch.distributed collectives (what it puts on the wire)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._orig = {}
+
+    def __enter__(self) -> "_Wire":
+        for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single"):
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._orig[name] = fn
+
+            def counted(*args, _fn=fn, _name=name, **kwargs):
+                tensor = args[0] if _name == "all_reduce" else args[1]
+                self.bytes += tensor.numel() * tensor.element_size()
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+
+
+def _run(spec: CompressionSpec) -> dict:
+    rank = dist.get_rank()
+    compressor = Compressor(spec)
+    true_total = torch.zeros(N)
+    reduced_total = torch.zeros(N)
+    wire = []
+    for step in range(STEPS):
+        g = torch.randn(N, generator=torch.Generator().manual_seed(100 * step + rank))
+        both = [torch.randn(N, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(2)]
+        true_total += both[0] + both[1]
+        flat = g.clone()
+        with _Wire() as w:
+            compressor.sum(flat, None, "bucket0")
+        wire.append(w.bytes)
+        reduced_total += flat
+    residual = compressor.residuals.get("bucket0", torch.zeros(N)).clone()
+    dist.all_reduce(residual)
+    return {"wire": wire, "true": true_total, "reduced": reduced_total, "residuals": residual,
+            "last": flat, "state": compressor.state_dict()}
+
+
+def _all_modes() -> dict:
+    dist.init_process_group("gloo")  # (spawn sets the rendezvous environment)
+    specs = {
+        "bf16": CompressionSpec("bf16"),
+        "int8": CompressionSpec("int8"),
+        "topk": CompressionSpec("topk", ratio=0.1),
+        "topk_no_feedback": CompressionSpec("topk", ratio=0.1, error_feedback=False),
+        "onebit": CompressionSpec("onebit", warmup_steps=2),
+        "powersgd": CompressionSpec("powersgd", rank=4),
+    }
+    try:
+        return {name: _run(spec) for name, spec in specs.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(_all_modes, 2)
+
+
+@pytest.mark.parametrize("mode", list(BOUNDS))
+def test_bytes_on_the_wire(ranks, mode):
+    fp32 = N * 4
+    for got in ranks:
+        wire = got[mode]["wire"]
+        after_warmup = wire[2:] if mode == "onebit" else wire
+        assert all(b / fp32 <= BOUNDS[mode] for b in after_warmup), (mode, [b / fp32 for b in wire])
+        if mode == "onebit":
+            assert wire[0] == fp32  # the warm-up steps are plain fp32
+
+
+@pytest.mark.parametrize("mode", ["int8", "topk", "onebit", "powersgd"])
+def test_error_feedback_loses_nothing(ranks, mode):
+    """Over every step, what was reduced plus what the ranks still hold back equals the true sum."""
+    for got in ranks:
+        r = got[mode]
+        torch.testing.assert_close(r["reduced"] + r["residuals"], r["true"], rtol=0, atol=1e-3)
+    no_feedback = ranks[0]["topk_no_feedback"]
+    assert (no_feedback["reduced"] - no_feedback["true"]).norm() > 10 * (
+        ranks[0]["topk"]["reduced"] + ranks[0]["topk"]["residuals"] - ranks[0]["topk"]["true"]).norm()
+
+
+def test_every_rank_gets_the_same_sum(ranks):
+    for mode in ranks[0]:
+        torch.testing.assert_close(ranks[0][mode]["last"], ranks[1][mode]["last"], rtol=0, atol=0, msg=mode)
+    bf16 = ranks[0]["bf16"]  # bf16: the sum itself, to bf16 precision
+    torch.testing.assert_close(bf16["reduced"], bf16["true"], rtol=0, atol=0.1)
+
+
+def test_state_resets_when_dp_changes(ranks):
+    state = ranks[0]["topk"]["state"]
+    same, other = Compressor(CompressionSpec("topk")), Compressor(CompressionSpec("topk"))
+    assert same.load_state_dict(state, world=2) and same.residuals["bucket0"].shape == (N,)
+    assert not other.load_state_dict(state, world=4) and other.residuals == {}
+    assert other.steps == {"bucket0": STEPS}  # the warm-up count carries over
+
+
+@pytest.mark.parametrize("value, match", [
+    ("gzip", "mode 'gzip' is unknown"),
+    ({"mode": "topk", "ratio": 0}, r"ratio=0 must be in \(0, 1\]"),
+    ({"mode": "topk", "ratio": 1.5}, r"ratio=1.5 must be in \(0, 1\]"),
+    ({"mode": "onebit", "warmup_steps": -1}, "warmup_steps=-1"),
+    ({"mode": "topk", "k": 3}, r"unknown options \['k'\]"),
+    (3, "must be None, a mode name"),
+])
+def test_bad_values(value, match):
+    with pytest.raises(CompressionConfigError, match=match):
+        parse_compression(value)
+
+
+def test_module_globs():
+    parsed = parse_compression({"text.*": "onebit", "vision.*": None, "*": {"mode": "topk", "ratio": 0.05}})
+    assert spec_for(parsed, "text.encoder.0").mode == "onebit"
+    assert spec_for(parsed, "vision.patch") is None
+    assert spec_for(parsed, "head").ratio == 0.05
+    assert parse_compression("bf16") == CompressionSpec("bf16")
