@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import lightning as L
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_npu
@@ -91,13 +93,18 @@ def _world() -> int:
     return world
 
 
-def fit_gpt(strategy: dict[str, Any], pos_in: str = "root", steps: int = STEPS, ckpt_dir: Optional[str] = None,
+def fit_gpt(strategy: Any, pos_in: str = "root", steps: int = STEPS, ckpt_dir: Optional[str] = None,
             ckpt_in: Optional[str] = None) -> dict[str, Any]:
+    """`strategy`: NPUHybridStrategy's arguments, or "ddp" (Lightning's own: single-file checkpoints)."""
     L.seed_everything(0, verbose=False)
     model = PosGPT(pos_in=pos_in)
     losses = Losses()
-    trainer, data = parity_trainer(NPUHybridStrategy(**strategy), model, _world(), GLOBAL_BATCH, steps, [losses],
-                                   ckpt_dir=ckpt_dir)
+    if strategy == "ddp":
+        strategy, instance = {}, DDPStrategy()
+        instance.parallel_config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    else:
+        instance = NPUHybridStrategy(**strategy)
+    trainer, data = parity_trainer(instance, model, _world(), GLOBAL_BATCH, steps, [losses], ckpt_dir=ckpt_dir)
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     out: dict[str, Any] = {"logged": losses.logged, "state": lightning_npu.full_state_dict(model),
                            "root_unit": is_sharded_root(model)}
@@ -170,17 +177,18 @@ def run_all(tmp: str) -> dict[str, Any]:
         out[f"dp-zero{z}"] = fit_gpt({"zero_stage": z})
     out["tp2-zero3"] = fit_gpt({"zero_stage": 3, "tensor_parallel_size": world})
     out["pp2-zero3-embed"] = fit_gpt({"zero_stage": 3, "pipeline_parallel_size": world}, pos_in="embed")
-    # DCP checkpoint under zero 3 at step 3, resumed to step 6; then the same checkpoint as one Lightning file
-    ckpt_dir = Path(tmp) / "ckpt"
-    out["zero3-6"] = fit_gpt({"zero_stage": 3}, steps=6, ckpt_dir=str(ckpt_dir))
-    first = str(ckpt_dir / "epoch=0-step=3.ckpt")
+    # a DCP checkpoint under zero 3 at step 3, resumed to step 6 under zero 3 and zero 1; Lightning "ddp"'s
+    # single-file checkpoint of the same model resumed under zero 1 (zero 2/3 refuse single-file resumes)
+    out["zero3-6"] = fit_gpt({"zero_stage": 3}, steps=6, ckpt_dir=f"{tmp}/zero3")
+    first = f"{tmp}/zero3/epoch=0-step=3.ckpt"
     out["zero3-resumed"] = fit_gpt({"zero_stage": 3}, steps=6, ckpt_in=first)
-    single = Path(tmp) / "single.ckpt"
-    if dist.get_rank() == 0:
-        torch.save(lightning_npu.load_checkpoint(first), single)
-    dist.barrier()
-    out["zero3-from-file"] = fit_gpt({"zero_stage": 3}, steps=6, ckpt_in=str(single))
     out["zero1-from-dir"] = fit_gpt({"zero_stage": 1}, steps=6, ckpt_in=first)
+    # (Lightning's own resume of its file restarts the epoch's data: the reference is "ddp" resuming it)
+    fit_gpt("ddp", steps=3, ckpt_dir=f"{tmp}/ddp")
+    single = f"{tmp}/ddp/epoch=0-step=3.ckpt"
+    out["single_file"] = Path(single).is_file()
+    out["ddp-from-file"] = fit_gpt("ddp", steps=6, ckpt_in=single)
+    out["zero1-from-file"] = fit_gpt({"zero_stage": 1}, steps=6, ckpt_in=single)
     # BatchNorm buffers against Lightning's own DDP
     out["bn-ddp"] = fit_batchnorm("ddp")
     for z in (0, 1, 2, 3):
