@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_npu
 from examples.gpt.model import Block, GPTConfig
 from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel import grad_sync
 from lightning_npu.parallel.data import is_sharded_root
 from tests._gpt_workers import parity_trainer
 
@@ -169,12 +171,31 @@ def fit_batchnorm(strategy: Any, accumulate: int = 1) -> dict[str, Any]:
     return {"buffers": buffers, "params": lightning_npu.full_state_dict(model)}
 
 
+@contextlib.contextmanager
+def counting_bucket_reductions():
+    """Every call of `grad_sync.reduce_bucket` (DDP's comm hook, ZeRO-1's buckets, FSDP2's reduce-scatter)."""
+    calls: list[int] = []
+    original = grad_sync.reduce_bucket
+
+    def counted(flat, *args, **kwargs):
+        calls.append(flat.numel())
+        return original(flat, *args, **kwargs)
+
+    grad_sync.reduce_bucket = counted
+    try:
+        yield calls
+    finally:
+        grad_sync.reduce_bucket = original
+
+
 # ---- one process group, every run --------------------------------------------------------------------
 def run_all(tmp: str) -> dict[str, Any]:
     world = _world()
     out: dict[str, Any] = {}
     for z in (0, 1, 2, 3):
-        out[f"dp-zero{z}"] = fit_gpt({"zero_stage": z})
+        with counting_bucket_reductions() as calls:
+            out[f"dp-zero{z}"] = fit_gpt({"zero_stage": z})
+        out[f"dp-zero{z}"]["bucket_reductions"] = len(calls)
     out["tp2-zero3"] = fit_gpt({"zero_stage": 3, "tensor_parallel_size": world})
     out["pp2-zero3-embed"] = fit_gpt({"zero_stage": 3, "pipeline_parallel_size": world}, pos_in="embed")
     # a DCP checkpoint under zero 3 at step 3, resumed to step 6 under zero 3 and zero 1; Lightning "ddp"'s

@@ -51,6 +51,15 @@ def test_root_unit_shards_what_the_lightning_module_holds(runs):
     assert not ranks[0]["dp-zero1"]["root_unit"] and not ranks[0]["dp-zero0"]["root_unit"]
 
 
+def test_every_stage_reduces_gradients_through_reduce_bucket(runs):
+    # FSDP2's per-unit reduce-scatter too (FSDPModule.set_custom_reduce_scatter): 6 units x 4 steps
+    # (wte, h.0, h.1, ln_f, lm_head, and the root unit holding `pos`)
+    ranks, _ = runs
+    counts = {z: ranks[0][f"dp-zero{z}"]["bucket_reductions"] for z in (0, 1, 2, 3)}
+    assert counts[2] == counts[3] == 6 * 4, counts
+    assert counts[0] > 0 and counts[1] > 0, counts
+
+
 def test_checkpoint_resume_with_a_root_unit(runs):
     ranks, _ = runs
     for rank in range(2):

@@ -100,7 +100,17 @@ def fully_shard_data_parallel(
         # The strategy runs each step through this root's forward hooks (`is_sharded_root`).
         root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=root_mp)
+    route_reduce_scatter(module)
     return module
+
+
+def route_reduce_scatter(module: torch.nn.Module) -> None:
+    """Every FSDP2 unit under `module` reduce-scatters its gradient bucket through `grad_sync.reduce_bucket`."""
+    from lightning_npu.parallel.grad_sync import fsdp_reduce_scatter
+
+    comm = fsdp_reduce_scatter()
+    for unit in fsdp_modules(module):
+        unit.set_custom_reduce_scatter(comm)
 
 
 def _child_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -210,6 +220,7 @@ def fully_shard_pipeline_stage(
         if not isinstance(unit, FSDPModule):  # a sequence-parallel norm already made its own fp32 unit (pipeline.py)
             fully_shard(unit, **kwargs)
     fully_shard(stage, **kwargs)
+    route_reduce_scatter(stage)
     return stage
 
 
