@@ -9,8 +9,9 @@ parameters) with no DDP wrapper; the model is only synchronised from dp-rank 0 a
 ZeRO 2 and 3 use FSDP2 (`fully_shard`) over the dp mesh: every transformer block (each child
 of an ``nn.ModuleList``) becomes one FSDP unit, then every top-level submodule of the
 LightningModule, then (only if it holds parameters directly, like ViT's ``cls_token``) the
-LightningModule itself, as the root unit of those leftovers. Parameters are stored as dp-sharded DTensors (the fp32 master shards),
-gradients are reduce-scattered into dp-sharded DTensors, and the user's optimizer steps the
+LightningModule itself, as the root unit of those leftovers. Parameters are stored as dp-sharded
+DTensors (the fp32 master shards), gradients are reduce-scattered into dp-sharded DTensors (each
+unit's bucket through `grad_sync.reduce_bucket`), and the user's optimizer steps the
 local shards. Stage 2 keeps the all-gathered parameters from forward through backward
 (``reshard_after_forward=False``, no second all-gather); stage 3 frees them after each unit's
 forward and gathers again in backward (``reshard_after_forward=True``). Both reshard after
