@@ -28,6 +28,7 @@ from lightning_npu import device as dev
 from lightning_npu.parallel import checkpoint as ckpt
 from lightning_npu.parallel import grad_norm as gn
 from lightning_npu.parallel.config import ParallelConfig
+from lightning_npu.parallel.data import is_sharded_root
 from lightning_npu.parallel.full_state import load_full_state_dict
 from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
@@ -152,6 +153,8 @@ class NPUHybridStrategy(DDPStrategy):
         self._pipeline: Any = None
         # the layout's gradient synchronisation (lightning_npu.parallel.grad_sync), made by `parallelize`
         self._grad_sync: GradientSync = GradientSync()
+        # dp-rank 0's buffers before each step where no DDP wrapper broadcasts them (lightning_npu.parallel.buffers)
+        self._buffer_sync: Any = None
         self._ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
         self._restored_from_file = False
 
@@ -226,6 +229,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._auto_recompute = result.auto_recompute
         self._pipeline = result.pipeline
         self._grad_sync = result.grad_sync
+        self._buffer_sync = result.buffer_sync
         return result.model
 
     # ---- tensor parallelism (lightning_npu.parallel.tensor) ------------------------------
@@ -260,36 +264,44 @@ class NPUHybridStrategy(DDPStrategy):
         return nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline_step("train", *args, **kwargs)
         auto = self._auto_recompute
         if auto is not None:  # activation_checkpointing="auto": step 1 is measured, step 2 decides
             auto.before_step(self.lightning_module, self.optimizers, self.root_device,
                              dev.free_memory_bytes(self.root_device) / max(1, self.num_processes))
-        with self._loss_context():
-            out = super().training_step(*args, **kwargs)
+        out = self._step("train", "training_step", self.precision_plugin.train_step_context, *args, **kwargs)
         if auto is not None:
             auto.after_forward()
             self.recompute_report = auto.report or self.recompute_report
         return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline_step("validate", *args, **kwargs)
-        with self._loss_context():
-            return super().validation_step(*args, **kwargs)
+        return self._step("validate", "validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline_step("test", *args, **kwargs)
-        with self._loss_context():
-            return super().test_step(*args, **kwargs)
+        return self._step("test", "test_step", self.precision_plugin.test_step_context, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict", "predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    def _step(self, kind: str, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """One Lightning step: dp-rank 0's buffers first where no DDP wrapper broadcasts them
+        (`lightning_npu.parallel.buffers`); a LightningModule that is itself an FSDP2 unit (ZeRO 2/3, parameters
+        held directly) runs the step through its forward hooks, as Lightning runs steps through a wrapper."""
+        if self._buffer_sync is not None:
+            self._buffer_sync.before_step()
         if self._pipeline is not None:
-            return self._pipeline_step("predict", *args, **kwargs)
-        with self._loss_context():
-            return super().predict_step(*args, **kwargs)
+            out = self._pipeline_step(kind, *args, **kwargs)
+        else:
+            module = self.lightning_module
+            with self._loss_context():
+                if is_sharded_root(module):
+                    with context():
+                        out = self._forward_redirection(module, module, method, *args, **kwargs)
+                else:
+                    out = getattr(DDPStrategy, method)(self, *args, **kwargs)
+        if self._buffer_sync is not None:
+            self._buffer_sync.after_step(self._grad_sync.enabled)
+        return out
 
     @contextmanager
     def block_backward_sync(self) -> Any:
@@ -362,6 +374,7 @@ class NPUHybridStrategy(DDPStrategy):
         return self.pipeline_plan
 
     def setup(self, trainer: Any) -> None:
+        self._buffer_sync = None  # fit makes it again (`_setup_model`); evaluation runs without, as under DDP
         super().setup(trainer)
         cfg = self.parallel_config
         module = self.lightning_module

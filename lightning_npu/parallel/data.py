@@ -8,8 +8,10 @@ parameters) with no DDP wrapper; the model is only synchronised from dp-rank 0 a
 
 ZeRO 2 and 3 use FSDP2 (`fully_shard`) over the dp mesh: every transformer block (each child
 of an ``nn.ModuleList``) becomes one FSDP unit, then every top-level submodule of the
-LightningModule. Parameters are stored as dp-sharded DTensors (the fp32 master shards),
-gradients are reduce-scattered into dp-sharded DTensors, and the user's optimizer steps the
+LightningModule, then (only if it holds parameters directly, like ViT's ``cls_token``) the
+LightningModule itself, as the root unit of those leftovers. Parameters are stored as dp-sharded
+DTensors (the fp32 master shards), gradients are reduce-scattered into dp-sharded DTensors (each
+unit's bucket through `grad_sync.reduce_bucket`), and the user's optimizer steps the
 local shards. Stage 2 keeps the all-gathered parameters from forward through backward
 (``reshard_after_forward=False``, no second all-gather); stage 3 frees them after each unit's
 forward and gathers again in backward (``reshard_after_forward=True``). Both reshard after
@@ -71,21 +73,17 @@ def fully_shard_data_parallel(
 ) -> torch.nn.Module:
     """Apply FSDP2 over ``mesh["dp"]`` for ZeRO stage 2 or 3, in place; returns `module`.
 
-    `module` is the LightningModule: it is not wrapped itself (Lightning keeps calling its hooks);
-    its blocks, then each of its direct children that hold parameters, become FSDP units. With
+    `module` is the LightningModule: its blocks, then each of its direct children that hold parameters, become
+    FSDP units; parameters it holds itself become a root unit (FSDP2 makes the LightningModule's class a subclass,
+    so Lightning keeps calling its hooks). A 0-dim parameter is refused with the fix. With
     `param_dtype` (bf16-mixed compute) parameters are all-gathered in that dtype while the stored
     shards, the optimizer's master copy, stay fp32, and gradients are reduced in fp32.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if zero_stage not in (2, 3):
         raise ValueError(f"fully_shard_data_parallel is for zero_stage 2 or 3, got {zero_stage}.")
-    direct = [name for name, _ in module.named_parameters(recurse=False)]
-    if direct:
-        raise ValueError(
-            f"zero_stage={zero_stage} shards submodules, but {type(module).__name__} holds parameters directly "
-            f"({', '.join(direct)}); move them into a submodule (e.g. `self.head = nn.Linear(...)`) or use zero_stage=1."
-        )
+    check_no_scalar_parameters(module, zero_stage)
     mp = _mixed_precision(param_dtype)
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=zero_stage == 3, mp_policy=mp)
     if param_dtype not in (None, torch.float32):
@@ -93,10 +91,61 @@ def fully_shard_data_parallel(
     for unit in _fsdp_units(module):
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, **kwargs)
-    for child in module.children():
-        if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule):
+    for child in _child_units(module):
+        if not isinstance(child, FSDPModule):
             fully_shard(child, **kwargs)
+    if any(True for _ in module.parameters(recurse=False)):
+        # What the LightningModule holds itself (ViT's cls_token/pos_embed, a GPT's `pos`) is sharded in a root
+        # unit, as FSDP2 does with leftovers. It stays gathered from forward to backward (FSDP2's root default;
+        # the step's calls of `forward` would otherwise free it mid-step), and leaves the step's inputs uncast.
+        # The strategy runs each step through this root's forward hooks (`is_sharded_root`).
+        root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=root_mp)
+    route_reduce_scatter(module)
     return module
+
+
+def route_reduce_scatter(module: torch.nn.Module) -> None:
+    """Every FSDP2 unit under `module` reduce-scatters its gradient bucket through `grad_sync.reduce_bucket`."""
+    from lightning_npu.parallel.grad_sync import fsdp_reduce_scatter
+
+    comm = fsdp_reduce_scatter()
+    for unit in fsdp_modules(module):
+        unit.set_custom_reduce_scatter(comm)
+
+
+def _child_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Direct children that hold parameters; containers without a forward (``self.blocks = nn.ModuleList(...)``
+    on the LightningModule, an ``nn.ModuleDict``) cannot be FSDP units: their children stand in for them."""
+    units = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            units.extend(_child_units(child))
+        else:
+            units.append(child)
+    return units
+
+
+def is_sharded_root(module: torch.nn.Module) -> bool:
+    """The LightningModule itself is an FSDP2 unit (it holds parameters directly): its steps must run through
+    its forward hooks, which gather those parameters and reduce-scatter their gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def check_no_scalar_parameters(module: torch.nn.Module, zero_stage: int) -> None:
+    """FSDP2 shards every parameter along dim 0 and refuses 0-dim ones (CLIP's ``logit_scale``) with a message
+    naming neither the module path nor the zero stage; fail first with both."""
+    scalars = [name for name, p in module.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"zero_stage={zero_stage} shards every parameter along dim 0, but {', '.join(scalars[:4])} "
+            f"{'is a 0-dim parameter' if len(scalars) == 1 else 'are 0-dim parameters'}; give it shape (1,) "
+            "(e.g. `nn.Parameter(torch.ones(1))`) or use zero_stage=0."
+        )
 
 
 # ---- ZeRO 2/3 under pipeline parallelism (used by lightning_npu.parallel.pipeline) -------------------
@@ -157,6 +206,7 @@ def fully_shard_pipeline_stage(
 
     if zero_stage not in (2, 3):
         raise ValueError(f"fully_shard_pipeline_stage is for zero_stage 2 or 3, got {zero_stage}.")
+    check_no_scalar_parameters(stage, zero_stage)
     mp = _mixed_precision(param_dtype)
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp)
     units = _fsdp_units(stage)
@@ -171,6 +221,7 @@ def fully_shard_pipeline_stage(
         if not isinstance(unit, FSDPModule):  # a sequence-parallel norm already made its own fp32 unit (pipeline.py)
             fully_shard(unit, **kwargs)
     fully_shard(stage, **kwargs)
+    route_reduce_scatter(stage)
     return stage
 
 

@@ -14,7 +14,8 @@ zero 0, pp > 1   `GradientBuckets` (all-reduce), after the     launch every buck
                  schedule's backward
 zero 1           `GradientBuckets` (reduce-scatter), from      launch the rest, wait, average; the optimizer
                  post-accumulate-grad hooks (pp = 1)           steps the reduced slices
-zero 2 / 3       FSDP2 (reduce-scatter per unit, fp32)         nothing left
+zero 2 / 3       FSDP2 (reduce-scatter per unit, fp32), its    nothing left
+                 custom reduce-scatter calls `reduce_bucket`
 ===============  ============================================  ===============================================
 
 All reductions are fp32 SUMs divided by the dp size (the gradients of the mean loss over the global batch).
@@ -323,3 +324,30 @@ class FullyShardedGradientSync(GradientSync):
         finally:
             if self.module is not None:
                 set_gradient_sync(self.module, True)
+
+
+# ---- zero 2/3: FSDP2's reduce-scatter, through the same bucket reduction -------------------------------
+def fsdp_reduce_scatter() -> Any:
+    """A `ReduceScatter` for FSDP2's ``FSDPModule.set_custom_reduce_scatter``: each unit's flat gradient bucket goes
+    through `reduce_bucket`, so what wraps it (compression, hierarchy) wraps ZeRO 2/3 too.
+
+    FSDP2 lays the bucket out as `reduce_bucket` expects (rank-major, ``torch._chunk_cat`` of the padded
+    gradients), in the fp32 reduce dtype, and asks for ``AVG`` (SUM where dp = 1): the SUM is divided by the dp
+    size here, as every other caller of `reduce_bucket` does.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class _BucketReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+                raise NotImplementedError(f"FSDP2 asked for a {op} reduce-scatter; reduce_bucket sums (then averages).")
+            reduce_bucket(input_tensor, group, out=output_tensor).wait()
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(dist.get_world_size(group))
+            return None
+
+    return _BucketReduceScatter()

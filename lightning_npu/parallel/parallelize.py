@@ -6,6 +6,9 @@ A training step under ``npu_hybrid``, one call each (the strategy's Lightning ho
    (tp and pp peers read the same one);
 2. forward: `LightningModule.training_step` inside `HybridPrecision.forward_context` (autocast, fp32 norms
    and softmax), or `pipeline.PipelineRunner.train_step`, which also runs backward;
+   without a DDP wrapper, `buffers.BufferBroadcast` first gives every dp rank dp-rank 0's buffers, as DDP
+   does; a LightningModule that holds parameters itself under ZeRO 2/3 is an FSDP root: the step runs
+   through its forward hooks;
 3. loss: `F.cross_entropy` on vocab-sharded logits runs as `tensor.vocab_parallel_cross_entropy`;
 4. backward: `HybridPrecision.backward` of loss x scale (the schedule's, under pp);
 5. gradient sync: `Parallelized.grad_sync.finish()`; every bucket goes through `grad_sync.reduce_bucket`;
@@ -34,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_npu.parallel import data as data_parallel
 from lightning_npu.parallel import grad_sync as gs
+from lightning_npu.parallel.buffers import buffer_broadcast
 from lightning_npu.parallel.config import ParallelConfig
 
 
@@ -47,6 +51,7 @@ class Parallelized:
     fusion_report: Any = None
     recompute_report: Any = None  # recompute.RecomputeReport when activation_checkpointing is set
     auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
+    buffer_sync: Any = None  # buffers.BufferBroadcast where no DDP wrapper keeps buffers in step over dp
 
 
 def parallelize(
@@ -73,12 +78,13 @@ def parallelize(
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
     wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs)
+    buffer_sync = buffer_broadcast(model, mesh, uses_ddp=wrapped is not model)
     auto = None
     if cfg.activation_checkpointing == "auto":
         from lightning_npu.parallel.recompute import AutoRecompute
 
         auto = AutoRecompute(model, cfg.memory_budget_gb * 1e9 if cfg.memory_budget_gb else None)
-    return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report, auto)
+    return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report, auto, buffer_sync)
 
 
 def apply_fused_ops(model: nn.Module, device: torch.device) -> Any:
