@@ -661,16 +661,6 @@ def check_stage_keys(path: _PathLike, module: torch.nn.Module) -> None:
         )
 
 
-def check_single_file_resume(path: _PathLike, module: torch.nn.Module, resuming: bool) -> None:
-    from lightning_npu.parallel.data import is_fully_sharded
-
-    if resuming and is_fully_sharded(module):
-        raise NotImplementedError(
-            f"{str(path)!r} is a single-file checkpoint; resuming one under zero_stage 2 or 3 is not supported. "
-            "Resume it with zero_stage 0 or 1 and save again (a sharded directory), which then loads under any stage."
-        )
-
-
 def load_directory(path: _PathLike, module: torch.nn.Module, optimizers: list[Optimizer], strict: bool,
                    pipelined: bool = False) -> dict:
     """Load a sharded checkpoint saved under any layout into this one; returns Lightning's checkpoint dict.
