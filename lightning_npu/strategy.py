@@ -86,11 +86,11 @@ class NPUHybridStrategy(DDPStrategy):
         find_unused_parameters: as in ``DDPStrategy``, for models that skip parameters in forward.
         static_graph: as in ``DDPStrategy``.
         async_save: write sharded checkpoints in a background thread; each is committed as soon as
-            every rank's shards are on disk (single files are written synchronously).
+            every rank's shards are on disk (so the default checkpoint form becomes the sharded directory).
         save_distributed_checkpoint: the checkpoint's form (Lightning's name, as in
             ``ModelParallelStrategy``). ``None``/``"auto"``: one Lightning ``.ckpt`` file (full tensors,
             loadable by ``load_from_checkpoint``, ``torch.load`` and ``"ddp"``) where the layout allows it
-            cheaply (pp = 1, tp = 1, ZeRO 0/1), else a sharded directory; ``True``: always a sharded
+            cheaply (pp = 1, tp = 1, ZeRO 0/1, no ``async_save``), else a sharded directory; ``True``: always a sharded
             directory (every rank writes its shards); ``False``: always one file (rank 0 writes the
             gathered full state, so it must fit in its CPU memory).
     """
@@ -420,7 +420,7 @@ class NPUHybridStrategy(DDPStrategy):
     @property
     def saves_single_file(self) -> bool:
         """Whether checkpoints are one Lightning file (else a sharded directory): `save_distributed_checkpoint`."""
-        return ckpt_format.writes_single_file(self.parallel_config, self.save_distributed_checkpoint)
+        return ckpt_format.writes_single_file(self.parallel_config, self.save_distributed_checkpoint, self.async_save)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.saves_single_file:  # full tensors in the original layout (a collective)

@@ -11,7 +11,8 @@ Two forms, chosen by the strategy's ``save_distributed_checkpoint`` (Lightning's
   scales to models no rank can hold whole, and it reshards to any layout on load.
 
 The default (``None`` / ``"auto"``) is the file where every dp rank holds full tensors anyway (pp = 1,
-tp = 1, ZeRO 0/1, where only ZeRO-1's optimizer slices need gathering), the directory otherwise.
+tp = 1, ZeRO 0/1, where only ZeRO-1's optimizer slices need gathering), the directory otherwise and whenever
+``async_save=True`` (background writes are DCP's).
 :func:`load_checkpoint` returns Lightning's checkpoint dict for either form in one plain process.
 """
 
@@ -32,9 +33,10 @@ _PathLike = Union[str, Path]
 
 
 # ---- the option (validated in `ParallelConfig.check_strategy_options`) -----------------------------------
-def writes_single_file(cfg: Any, value: Any) -> bool:
-    """Whether a save writes one Lightning file (else a sharded directory)."""
-    if value is True:
+def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
+    """Whether a save writes one Lightning file (else a sharded directory). `async_save` asks for DCP's background
+    writes, which only the directory has."""
+    if value is True or (value is not False and async_save):
         return False
     if value is False:
         return True
@@ -199,16 +201,6 @@ def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[
         state = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()}, fused, "state.")
         out.append(_indexed(opt_groups, state))
     return out
-
-
-def directory_error(path: _PathLike) -> str:
-    """What to do when a loader that wants one file meets a sharded directory."""
-    return (
-        f"{str(path)!r} is a lightning-npu sharded checkpoint directory, not a single file. Load it with "
-        "`lightning_npu.load_checkpoint(path)` (Lightning's checkpoint dict, full tensors), resume it under "
-        "strategy='npu_hybrid' (any layout), or convert it once: `lightning-npu convert-checkpoint SRC DST.ckpt`. "
-        "Save single files with NPUHybridStrategy(save_distributed_checkpoint=False)."
-    )
 
 
 def hf_info(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:

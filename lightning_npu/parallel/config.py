@@ -179,6 +179,11 @@ class ParallelConfig:
                 "the layout allows it, a sharded directory otherwise), True (always a sharded directory) or False "
                 "(always one Lightning file)."
             )
+        if sdc is False and async_save is True:
+            raise ParallelConfigError(
+                "`save_distributed_checkpoint=False` with `async_save=True`: background saving writes sharded "
+                "directories; set `save_distributed_checkpoint=None` (or True), or `async_save=False` for one file."
+            )
 
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""

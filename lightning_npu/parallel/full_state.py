@@ -43,7 +43,9 @@ def _local_full_state(module: nn.Module) -> dict[str, Any]:
         return tp.unfuse_full_tensors(state, tp.fused_layout(module))
     if tp.is_tensor_parallel(module):
         return tp.gather_shards(module)
-    return module.state_dict()
+    # FSDP2 (ZeRO 2) leaves plain unsharded parameters after a forward outside training, yet its state dict holds
+    # DTensor shards: gather those too
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
