@@ -40,7 +40,7 @@ def convert_checkpoint(args: list[str]) -> None:
         "transformers save_pretrained folder (from_pretrained) when the LightningModule holds a "
         "transformers.PreTrainedModel.",
     )
-    parser.add_argument("src", help="checkpoint directory or file (e.g. a ModelCheckpoint output 'epoch=0-step=100.ckpt')")
+    parser.add_argument("src", help="checkpoint directory or file (e.g. ModelCheckpoint's 'epoch=0-step=100.ckpt')")
     parser.add_argument("dst", help="output file (--to state_dict, lightning) or folder (--to hf)")
     parser.add_argument("--to", choices=("state_dict", "lightning", "hf"), default="state_dict",
                         help="output form (default: state_dict)")

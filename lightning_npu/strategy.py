@@ -27,14 +27,13 @@ from typing_extensions import override
 from lightning_npu import device as dev
 from lightning_npu.parallel import checkpoint as ckpt
 from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel import checkpoint_format as ckpt_format
+from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.data import is_fully_sharded
 from lightning_npu.parallel.full_state import (
     full_optimizer_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
-    optimizer_groups,
 )
 from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
@@ -90,9 +89,9 @@ class NPUHybridStrategy(DDPStrategy):
         save_distributed_checkpoint: the checkpoint's form (Lightning's name, as in
             ``ModelParallelStrategy``). ``None``/``"auto"``: one Lightning ``.ckpt`` file (full tensors,
             loadable by ``load_from_checkpoint``, ``torch.load`` and ``"ddp"``) where the layout allows it
-            cheaply (pp = 1, tp = 1, ZeRO 0/1, no ``async_save``), else a sharded directory; ``True``: always a sharded
-            directory (every rank writes its shards); ``False``: always one file (rank 0 writes the
-            gathered full state, so it must fit in its CPU memory).
+            cheaply (pp = 1, tp = 1, ZeRO 0/1, no ``async_save``), else a sharded directory; ``True``:
+            always a sharded directory (every rank writes its shards); ``False``: always one file (rank 0
+            writes the gathered full state, so it must fit in its CPU memory).
     """
 
     strategy_name = "npu_hybrid"
@@ -438,18 +437,13 @@ class NPUHybridStrategy(DDPStrategy):
         request = ckpt.commit_request(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(ckpt.new_token())
-        module = self.lightning_module
-        info = ckpt.layout_metadata(self.parallel_config, self.world_size, module)
-        info["hf"] = ckpt_format.hf_metadata(module)
+        info = ckpt_format.checkpoint_metadata(self.parallel_config, self.world_size, self.lightning_module,
+                                               self.optimizers, checkpoint, self.saves_single_file)  # collective
         if self.saves_single_file:
-            checkpoint = {**checkpoint, "lightning_npu": {**info, "fused": {}}}  # full tensors: original layout
-            checkpoint = ckpt_format.set_loader_state_aside(checkpoint)
-            ckpt_format.save_file(checkpoint, path, token, self.is_global_zero, self.checkpoint_io,
-                                  lambda message: self.broadcast(message), request)
+            checkpoint = ckpt_format.set_loader_state_aside({**checkpoint, "lightning_npu": info})
+            ckpt_format.save_file(checkpoint, path, token, self.is_global_zero, self.checkpoint_io, self.broadcast,
+                                  request)
             return
-        # the optimizers' groups by FQN: `lightning_npu.load_checkpoint` rebuilds torch's format offline from them
-        info["optimizer_groups"] = [optimizer_groups(module, o) for o in self.optimizers] \
-            if "optimizer_states" in checkpoint else None
         tensors, meta = ckpt.split_checkpoint(checkpoint)
         meta["lightning_npu"] = info
         self._writer().save(tensors, meta, path, token, self.is_global_zero, self.barrier, request)

@@ -157,3 +157,29 @@ def test_convert_checkpoint_to_hf_and_lightning(runs, tmp_path, capsys):
 def test_save_distributed_checkpoint_is_validated(value):
     with pytest.raises(ParallelConfigError, match="save_distributed_checkpoint="):
         NPUHybridStrategy(save_distributed_checkpoint=value)
+
+
+def test_dynamic_checkpoint_commits_and_resumes_single_files(tmp_path):
+    """The callbacks' commit path (marker, discovery) with npu_hybrid's default file, also when the callback asks
+    for async IO (a file is written synchronously: the commit follows the write)."""
+    from lightning_npu.callbacks import DynamicCheckpoint
+    from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
+
+    d = tmp_path / "ck"
+
+    def fit(steps, ckpt_path=None):
+        model = StepSeeded()
+        dyn = DynamicCheckpoint(dirpath=str(d), phase_fractions=(), intervals=(2,), async_save=True, keep_last_k=None)
+        L.Trainer(callbacks=[dyn], strategy=NPUHybridStrategy(), **trainer_kwargs(tmp_path, steps)).fit(
+            model, ckpt_path=ckpt_path)
+        return model
+
+    fit(4)
+    latest = DynamicCheckpoint.find_latest(d)
+    assert latest == str(d / "step=00000004.ckpt") and Path(latest).is_file()
+    assert (d / "step=00000004.ckpt.complete").is_file() and not [p for p in d.iterdir() if p.name.startswith(".")]
+    resumed = fit(6, latest)
+    assert sorted(resumed.losses) == [4, 5]
+    reference = StepSeeded()
+    L.Trainer(strategy=NPUHybridStrategy(), **trainer_kwargs(tmp_path / "ref", 6)).fit(reference)
+    torch.testing.assert_close(flat_params(resumed), flat_params(reference), rtol=0, atol=0)

@@ -79,6 +79,23 @@ def hf_metadata(module: nn.Module) -> Optional[dict[str, str]]:
     return {"class": type(model).__name__, "config": model.config.to_json_string(use_diff=False), "prefix": prefix}
 
 
+def checkpoint_metadata(cfg: Any, world_size: int, module: nn.Module, optimizers: list[Any],
+                        checkpoint: dict[str, Any], single_file: bool) -> dict[str, Any]:
+    """The checkpoint's ``"lightning_npu"`` entry: the layout it was saved under, the transformers model it holds
+    (for ``--to hf``), and for a directory the optimizers' groups by FQN, from which :func:`load_checkpoint`
+    rebuilds torch's optimizer format offline. A collective under pp."""
+    from lightning_npu.parallel.checkpoint import layout_metadata
+    from lightning_npu.parallel.full_state import optimizer_groups
+
+    info = layout_metadata(cfg, world_size, module)
+    info["hf"] = hf_metadata(module)
+    if single_file:
+        info["fused"] = {}  # full tensors: the original layout
+    elif "optimizer_states" in checkpoint:
+        info["optimizer_groups"] = [optimizer_groups(module, o) for o in optimizers]
+    return info
+
+
 # ---- the train loader's position: npu_hybrid's own, so that other strategies can resume a file --------------
 _LOADER_KEYS = ("loops", "fit_loop", "state_dict", "combined_loader")
 
@@ -121,6 +138,16 @@ def restore_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- writing one file --------------------------------------------------------------------------
+def _synchronous(checkpoint_io: Any) -> Any:
+    """The IO plugin behind an async wrapper (e.g. `DynamicCheckpoint(async_save=True)`'s): the commit follows the
+    write at once, so the file must be complete when `save_checkpoint` returns."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    while isinstance(checkpoint_io, AsyncCheckpointIO):
+        checkpoint_io = checkpoint_io.checkpoint_io
+    return checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+
+
 def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0: bool, checkpoint_io: Any,
               agree: Callable[[Optional[str]], Optional[str]], request: Optional[_commit.CommitRequest] = None) -> None:
     """Collective. Rank 0 writes `checkpoint` (full tensors) to a temporary sibling and commits it as `final`;
@@ -137,11 +164,12 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 _commit.clean_stale(final.parent, names=[final.name])
-                checkpoint_io.save_checkpoint(checkpoint, tmp)
+                _synchronous(checkpoint_io).save_checkpoint(checkpoint, tmp)
                 request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
             except Exception as err:
                 _commit.remove_path(tmp)
-                message = f"Writing the checkpoint {str(final)!r} failed: {err!r}. A previous checkpoint at that path is kept."
+                message = (f"Writing the checkpoint {str(final)!r} failed: {err!r}. A previous checkpoint at that path "
+                           "is kept.")
         message = agree(message)
         if message is not None:
             request.error = CheckpointSaveError(message)
