@@ -474,6 +474,7 @@ class NPUHybridStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._restored_from_file:
             return
+        checkpoint = ckpt_format.own_optimizer_states(self.lightning_module, self.optimizers, dict(checkpoint))
         if is_fully_sharded(self.lightning_module):  # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 load_full_optimizer_state_dict(self.lightning_module, optimizer, state)

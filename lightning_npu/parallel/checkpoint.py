@@ -515,8 +515,14 @@ def load_sharded(
 
 # ---- consolidation (offline, one process) ------------------------------------------------------
 def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-    """Full (unsharded) model tensors of a DCP checkpoint, read in this process without a process group."""
+    """Full (unsharded) model tensors of a DCP checkpoint (or of a single file), read in this process without a
+    process group."""
     path = resolve_checkpoint_path(path)
+    if path.is_file():
+        meta = safe_torch_load(path)
+        state = meta.pop(MODEL_KEY, {})
+        return {k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k: v
+                for k, v in state.items()}, meta
     meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
     stored = checkpoint_tensor_metadata(path)
     prefix = MODEL_KEY + "."

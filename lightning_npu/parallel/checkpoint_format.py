@@ -82,8 +82,9 @@ def hf_metadata(module: nn.Module) -> Optional[dict[str, str]]:
 def checkpoint_metadata(cfg: Any, world_size: int, module: nn.Module, optimizers: list[Any],
                         checkpoint: dict[str, Any], single_file: bool) -> dict[str, Any]:
     """The checkpoint's ``"lightning_npu"`` entry: the layout it was saved under, the transformers model it holds
-    (for ``--to hf``), and for a directory the optimizers' groups by FQN, from which :func:`load_checkpoint`
-    rebuilds torch's optimizer format offline. A collective under pp."""
+    (for ``--to hf``), and the optimizers' groups by FQN, from which :func:`load_checkpoint` rebuilds torch's
+    optimizer format offline (directories) and a resume picks each parameter's state (files). A collective
+    under pp."""
     from lightning_npu.parallel.checkpoint import layout_metadata
     from lightning_npu.parallel.full_state import optimizer_groups
 
@@ -91,7 +92,7 @@ def checkpoint_metadata(cfg: Any, world_size: int, module: nn.Module, optimizers
     info["hf"] = hf_metadata(module)
     if single_file:
         info["fused"] = {}  # full tensors: the original layout
-    elif "optimizer_states" in checkpoint:
+    if "optimizer_states" in checkpoint:  # a file's too: a pipeline stage picks its parameters' state by FQN
         info["optimizer_groups"] = [optimizer_groups(module, o) for o in optimizers]
     return info
 
@@ -207,6 +208,19 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
     if groups:
         out["optimizer_states"] = _consolidate_optimizers(path, meta, groups)
     return out
+
+
+def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A single file's whole-model optimizer states, each re-indexed to the parameters its optimizer holds here
+    (e.g. one pipeline stage's), where the file records their FQNs; as it is otherwise (plain Lightning files)."""
+    from lightning_npu.parallel.full_state import select_optimizer_state
+
+    groups = (checkpoint.get("lightning_npu") or {}).get("optimizer_groups")
+    if not groups or "optimizer_states" not in checkpoint:
+        return checkpoint
+    states = [select_optimizer_state(module, o, s, [g["params"] for g in saved])
+              for o, s, saved in zip(optimizers, checkpoint["optimizer_states"], groups)]
+    return {**checkpoint, "optimizer_states": states}
 
 
 def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[dict[str, Any]]]) -> list[dict]:

@@ -203,3 +203,31 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict
         groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state_dict["param_groups"]]
         set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
+
+
+def select_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict[str, Any],
+                           saved_fqns: list[list[str]]) -> dict[str, Any]:
+    """A whole-model optimizer state in torch's format, whose positions are the parameters `saved_fqns` names
+    (per group), re-indexed for `optimizer`'s own parameters: a pipeline stage's optimizer holds only its part."""
+    optimizer = unwrap_optimizer(optimizer)
+    with masters_as_parameters(module, [optimizer]):
+        fqn_of = _param_fqns(module, optimizer)
+        own = [[fqn_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    position = {fqn: i for i, fqn in enumerate(f for group in saved_fqns for f in group)}
+    missing = [f for group in own for f in group if f not in position]
+    if missing or len(own) != len(state_dict["param_groups"]):
+        raise ValueError(
+            f"The checkpoint's optimizer state does not match this optimizer ({len(state_dict['param_groups'])} "
+            f"saved param groups, {len(own)} here; parameters not in it: {missing[:8]}); resume with the same "
+            "model and `configure_optimizers`."
+        )
+    state, groups, index = {}, [], 0
+    for fqns, saved in zip(own, state_dict["param_groups"]):
+        params = []
+        for fqn in fqns:
+            if position[fqn] in state_dict["state"]:
+                state[index] = state_dict["state"][position[fqn]]
+            params.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
+    return {"state": state, "param_groups": groups}
