@@ -71,6 +71,8 @@ def _trainer(strategy: Any, devices: int, steps: int, ckpt_dir: Optional[str], *
 
 
 def _outputs(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.is_floating_point():
+        x = x.to(next(model.parameters()).dtype)
     with torch.no_grad():
         out = model(x)
     out = getattr(out, "logits", out)
@@ -78,14 +80,14 @@ def _outputs(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def boring_run(root: str, name: str, steps: int = 3, ckpt_in: Optional[str] = None, strategy: Any = None,
-               **strategy_kwargs: Any) -> dict[str, Any]:
+               precision: str = "32-true", **strategy_kwargs: Any) -> dict[str, Any]:
     """fit (checkpoint every 3 steps into root/name), then the trained model's numbers: full state, outputs on
     INPUT, validate/test losses and the checkpoint paths written."""
     _data_seed()
     model = Boring()
     strategy = strategy if strategy is not None else NPUHybridStrategy(**strategy_kwargs)
     ckpt_dir = str(Path(root) / name)
-    trainer = _trainer(strategy, 2, steps, ckpt_dir)
+    trainer = _trainer(strategy, 2, steps, ckpt_dir, precision=precision)
     trainer.fit(model, ckpt_path=ckpt_in)
     out: dict[str, Any] = {"global_step": trainer.global_step, "outputs": _outputs(model, INPUT),
                            "ckpts": sorted(p.name for p in Path(ckpt_dir).iterdir()) if Path(ckpt_dir).is_dir() else []}

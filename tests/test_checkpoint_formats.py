@@ -27,6 +27,9 @@ CONFIGS = [
     ("z3", dict(zero_stage=3)),
     ("z1_dir", dict(zero_stage=1, save_distributed_checkpoint=True)),
     ("z3_file", dict(zero_stage=3, save_distributed_checkpoint=False)),
+    # bf16-true: the file holds ZeRO-1's fp32 master weights (gathered), as the directory does
+    ("z1_bf16", dict(zero_stage=1, precision="bf16-true")),
+    ("z1_bf16_dir", dict(zero_stage=1, precision="bf16-true", save_distributed_checkpoint=True)),
     ("z1_full6", dict(zero_stage=1, steps=6)),
     # the step-3 file of "z1" resumed: under npu_hybrid zero 1, zero 3 (full tensors re-sharded) and Lightning's ddp
     ("z1_resumed", dict(zero_stage=1, steps=6, ckpt_in=f"z1/{STEP3}")),
@@ -36,7 +39,7 @@ CONFIGS = [
     ("llama_file", dict(save_distributed_checkpoint=False)),
 ]
 DEFAULT_FILE = {"z0": True, "z1": True, "z2": False, "z3": False, "z1_dir": False, "z3_file": True, "llama": False,
-                "llama_file": True}
+                "llama_file": True, "z1_bf16": True, "z1_bf16_dir": False}
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +117,13 @@ def test_resume_npu_hybrid_file_under_ddp_and_other_zero_stages(runs):
 
 def test_load_checkpoint_of_a_directory_equals_the_file(runs):
     root, _ = runs
-    for directory, single in (("z1_dir", "z1"), ("z3", "z3_file"), ("llama", "llama_file")):
+    for directory, single in (("z1_dir", "z1"), ("z3", "z3_file"), ("llama", "llama_file"), ("z1_bf16_dir", "z1_bf16")):
         a, b = lightning_npu.load_checkpoint(_ckpt(root, directory)), lightning_npu.load_checkpoint(_ckpt(root, single))
         assert_close_dicts(a["state_dict"], b["state_dict"])
         assert_same_optimizer_states(a["optimizer_states"], b["optimizer_states"])
         for key in ("global_step", "epoch", "hyper_parameters", "lr_schedulers"):
             assert a[key] == b[key], key
+    assert lightning_npu.load_checkpoint(_ckpt(root, "z1_bf16"))["state_dict"]["layer.weight"].dtype == torch.float32
     # the file's optimizer state is torch's own format: the user's optimizer class loads it
     model = Boring()
     torch.optim.AdamW(model.parameters()).load_state_dict(lightning_npu.load_checkpoint(_ckpt(root, "z1"))

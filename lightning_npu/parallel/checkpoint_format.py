@@ -28,7 +28,6 @@ from torch import nn
 
 from lightning_npu.parallel import commit as _commit
 
-AUTO = "auto"
 _PathLike = Union[str, Path]
 
 
@@ -46,13 +45,15 @@ def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
 def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> dict[str, torch.Tensor]:
     """`lightning_npu.full_state_dict`, with ZeRO-1's fp32 master slices gathered in place of 16-bit parameters
     (the exact weights, as the sharded form stores them). A collective."""
-    from lightning_npu.parallel.full_state import full_state_dict
+    from lightning_npu.parallel.full_state import _full, full_state_dict
+    from lightning_npu.parallel.tensor import shard_spec
 
     state = full_state_dict(module)
+    params = dict(module.named_parameters(remove_duplicate=False))
     for opt in distributed_optimizers:
         for fqn, master in opt.master_state_dict().items():
             if fqn in state and state[fqn].dtype != master.dtype:
-                state[fqn] = master.full_tensor().detach().cpu().clone()
+                state[fqn] = _full(master, shard_spec(params[fqn]))
     return state
 
 
