@@ -36,10 +36,11 @@ def export_hf(src: _PathLike, dst: _PathLike) -> Path:
     import transformers
 
     cls = getattr(transformers, info["class"], None)
-    if cls is None:
+    # the name comes from the file: only a transformers model class is instantiated, nothing else it could name
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise NotATransformersCheckpointError(
-            f"{str(src)!r} was saved from transformers.{info['class']}, which this transformers "
-            f"{transformers.__version__} does not have; install the version that trained it."
+            f"{str(src)!r} was saved from transformers.{info['class']!r}, which is not a model class of this "
+            f"transformers {transformers.__version__}; install the version that trained it."
         )
     config = cls.config_class.from_dict(info["config"])
     with torch.device("meta"):  # no weight initialisation: every tensor comes from the checkpoint
