@@ -8,6 +8,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_npu.accelerator import NPUAccelerator
+from lightning_npu.parallel.checkpoint_format import load_checkpoint
 from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
 from lightning_npu.parallel.full_state import full_state_dict, load_full_state_dict
 from lightning_npu.precision import HybridPrecision
@@ -30,6 +31,7 @@ __all__ = [
     "NotImplementedYetError",
     "ParallelConfigError",
     "full_state_dict",
+    "load_checkpoint",
     "load_full_state_dict",
     "register",
 ]

@@ -28,42 +28,59 @@ LATEST = "latest"
 
 
 def convert_checkpoint(args: list[str]) -> None:
-    """`lightning-npu convert-checkpoint SRC DST`: a sharded checkpoint directory -> one full state-dict file."""
+    """`lightning-npu convert-checkpoint SRC DST [--to state_dict|lightning|hf]`: any checkpoint (a sharded
+    directory saved under any layout, or a single file) -> full tensors in a form other tools load."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog=f"{PROG} convert-checkpoint",
-        description="Consolidate a lightning-npu sharded (DCP) checkpoint, saved under any tp/dp/zero layout, into "
-        "a single file of full model tensors: safetensors if DST ends in .safetensors, else a torch file "
-        "(a plain dict of tensors, loadable with torch.load(..., weights_only=True)).",
+        description="Convert a lightning-npu checkpoint (a sharded directory saved under any tp/pp/dp/zero layout, "
+        "or a single .ckpt file) into full tensors: --to state_dict (default) writes the model's tensors to one "
+        "file (safetensors if DST ends in .safetensors, else a torch file: a plain dict of tensors, loadable with "
+        "torch.load(..., weights_only=True)); --to lightning writes one Lightning .ckpt file "
+        "(LightningModule.load_from_checkpoint, Trainer(strategy='ddp').fit(ckpt_path=...)); --to hf writes a "
+        "transformers save_pretrained folder (from_pretrained) when the LightningModule holds a "
+        "transformers.PreTrainedModel.",
     )
-    parser.add_argument("src", help="checkpoint directory (e.g. a ModelCheckpoint output 'epoch=0-step=100.ckpt')")
-    parser.add_argument("dst", help="output file (.safetensors, or anything else for a torch file)")
+    parser.add_argument("src", help="checkpoint directory or file (e.g. ModelCheckpoint's 'epoch=0-step=100.ckpt')")
+    parser.add_argument("dst", help="output file (--to state_dict, lightning) or folder (--to hf)")
+    parser.add_argument("--to", choices=("state_dict", "lightning", "hf"), default="state_dict",
+                        help="output form (default: state_dict)")
     parser.add_argument(
         "--strip-prefix",
         default="",
-        help="remove this prefix from the keys, e.g. 'model.' so that the example GPT (GPTModule.model) loads "
-        "the file with nn.Module.load_state_dict",
+        help="(--to state_dict) remove this prefix from the keys, e.g. 'model.' so that the example GPT "
+        "(GPTModule.model) loads the file with nn.Module.load_state_dict",
     )
     opts = parser.parse_args(args)
-    from lightning_npu.parallel.checkpoint import consolidate_model_state
+    from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
+    from lightning_npu.parallel.checkpoint_format import load_checkpoint
 
     src, dst = Path(opts.src), Path(opts.dst)
     try:
-        tensors, meta = consolidate_model_state(src, strip_prefix=opts.strip_prefix)
-    except (FileNotFoundError, RuntimeError) as err:
+        if opts.to == "hf":
+            export_hf(src, dst)
+            print(f"wrote a transformers save_pretrained folder to {dst}")
+            return
+        checkpoint = load_checkpoint(src)
+    except (FileNotFoundError, RuntimeError, NotATransformersCheckpointError) as err:
         parser.error(str(err))
+    import torch
+
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if opts.to == "lightning":
+        torch.save(checkpoint, dst)
+        print(f"wrote a Lightning checkpoint file to {dst}")
+        return
+    tensors = {k[len(opts.strip_prefix):] if opts.strip_prefix and k.startswith(opts.strip_prefix) else k:
+               v.contiguous() for k, v in checkpoint["state_dict"].items()}
     if dst.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        info = {"source": str(src), "global_step": str(meta.get("global_step", "")),
-                "layout": repr(meta.get("lightning_npu", {}))}
+        info = {"source": str(src), "global_step": str(checkpoint.get("global_step", "")),
+                "layout": repr({k: v for k, v in (checkpoint.get("lightning_npu") or {}).items() if k != "hf"})}
         save_file(tensors, str(dst), metadata=info)
     else:
-        import torch
-
         torch.save(tensors, dst)
     print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {dst}")
 
@@ -73,7 +90,8 @@ def convert_checkpoint(args: list[str]) -> None:
 COMMANDS: dict[str, tuple[Callable[[list[str]], Any], str]] = {
     "convert-checkpoint": (
         convert_checkpoint,
-        "Consolidate a sharded checkpoint into one file of full tensors (SRC DST; see its --help).",
+        "Convert a checkpoint (sharded directory or file) to full tensors: a state-dict file, a Lightning .ckpt "
+        "file or a transformers folder (SRC DST [--to state_dict|lightning|hf]; see its --help).",
     ),
     "plan": (plan_command, "Rank parallel layouts of a model on a cluster by estimated memory and tokens/s (see --help)."),
     "doctor": (doctor_command, "Check that this machine is ready to train: versions, devices, backends, HCCL (--json)."),

@@ -27,9 +27,14 @@ from typing_extensions import override
 from lightning_npu import device as dev
 from lightning_npu.parallel import checkpoint as ckpt
 from lightning_npu.parallel import grad_norm as gn
+from lightning_npu.parallel import checkpoint_format as ckpt_format
 from lightning_npu.parallel.config import ParallelConfig
-from lightning_npu.parallel.data import is_sharded_root
-from lightning_npu.parallel.full_state import load_full_state_dict
+from lightning_npu.parallel.data import is_fully_sharded, is_sharded_root
+from lightning_npu.parallel.full_state import (
+    full_optimizer_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
 from lightning_npu.parallel.grad_sync import GradientSync
 from lightning_npu.parallel.mesh import build_mesh
 from lightning_npu.parallel.optimizer import (
@@ -84,7 +89,13 @@ class NPUHybridStrategy(DDPStrategy):
         find_unused_parameters: as in ``DDPStrategy``, for models that skip parameters in forward.
         static_graph: as in ``DDPStrategy``.
         async_save: write sharded checkpoints in a background thread; each is committed as soon as
-            every rank's shards are on disk.
+            every rank's shards are on disk (so the default checkpoint form becomes the sharded directory).
+        save_distributed_checkpoint: the checkpoint's form (Lightning's name, as in
+            ``ModelParallelStrategy``). ``None``/``"auto"``: one Lightning ``.ckpt`` file (full tensors,
+            loadable by ``load_from_checkpoint``, ``torch.load`` and ``"ddp"``) where the layout allows it
+            cheaply (pp = 1, tp = 1, ZeRO 0/1, no ``async_save``), else a sharded directory; ``True``:
+            always a sharded directory (every rank writes its shards); ``False``: always one file (rank 0
+            writes the gathered full state, so it must fit in its CPU memory).
     """
 
     strategy_name = "npu_hybrid"
@@ -113,8 +124,10 @@ class NPUHybridStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         async_save: bool = False,
+        save_distributed_checkpoint: Union[None, bool, Literal["auto"]] = None,
     ) -> None:
-        ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save)
+        ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save,
+                                              save_distributed_checkpoint)
         self.parallel_config = ParallelConfig(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -146,6 +159,8 @@ class NPUHybridStrategy(DDPStrategy):
         self._auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
         # checkpoints: write DCP shards in a background thread; rank 0 commits each as soon as every rank wrote it
         self.async_save = async_save
+        # one Lightning file or a sharded directory (lightning_npu.parallel.checkpoint_format)
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
         self.tp_report: Any = None
         # lightning_npu.parallel.pipeline.PipelinePlan / PipelineRunner once the model is known (pp > 1)
@@ -432,11 +447,20 @@ class NPUHybridStrategy(DDPStrategy):
             self._ckpt_writer = ckpt.ShardedCheckpointWriter(async_save=self.async_save)
         return self._ckpt_writer
 
+    @property
+    def saves_single_file(self) -> bool:
+        """Whether checkpoints are one Lightning file (else a sharded directory): `save_distributed_checkpoint`."""
+        return ckpt_format.writes_single_file(self.parallel_config, self.save_distributed_checkpoint, self.async_save)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.saves_single_file:  # full tensors in the original layout (a collective)
+            return ckpt_format.full_model_state(self.lightning_module, self._distributed_optimizers())
         with self._masters_as_parameters():
             return ckpt.model_state_dict(self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers])
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.saves_single_file:  # torch's format with full tensors (a collective)
+            return full_optimizer_state_dict(self.lightning_module, optimizer)
         with self._masters_as_parameters():
             return ckpt.optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
 
@@ -444,8 +468,15 @@ class NPUHybridStrategy(DDPStrategy):
         request = ckpt.commit_request(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(ckpt.new_token())
+        info = ckpt_format.checkpoint_metadata(self.parallel_config, self.world_size, self.lightning_module,
+                                               self.optimizers, checkpoint, self.saves_single_file)  # collective
+        if self.saves_single_file:
+            checkpoint = ckpt_format.set_loader_state_aside({**checkpoint, "lightning_npu": info})
+            ckpt_format.save_file(checkpoint, path, token, self.is_global_zero, self.checkpoint_io, self.broadcast,
+                                  request)
+            return
         tensors, meta = ckpt.split_checkpoint(checkpoint)
-        meta["lightning_npu"] = ckpt.layout_metadata(self.parallel_config, self.world_size, self.lightning_module)
+        meta["lightning_npu"] = info
         self._writer().save(tensors, meta, path, token, self.is_global_zero, self.barrier, request)
 
     def finalize_checkpoints(self) -> None:
@@ -461,9 +492,8 @@ class NPUHybridStrategy(DDPStrategy):
         self._restored_from_file = path.is_file()
         module = self.lightning_module
         if self._restored_from_file:
-            ckpt.check_single_file_resume(path, module, resuming=bool(self.optimizers))
             with ckpt.refusing_unsafe(path):
-                return super().load_checkpoint(path, weights_only=True)
+                return ckpt_format.restore_loader_state(super().load_checkpoint(path, weights_only=True))
         with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
             return ckpt.load_directory(path, module, [unwrap_optimizer(o) for o in self.optimizers], module.strict_loading,
                                        pipelined=self._pipeline is not None)
@@ -474,6 +504,11 @@ class NPUHybridStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._restored_from_file:
+            return
+        checkpoint = ckpt_format.own_optimizer_states(self.lightning_module, self.optimizers, dict(checkpoint))
+        if is_fully_sharded(self.lightning_module):  # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                load_full_optimizer_state_dict(self.lightning_module, optimizer, state)
             return
         if is_tensor_parallel(self.lightning_module):  # full optimizer tensors -> this rank's tp shards
             def holder(opt: Any) -> Any:  # what the full state is indexed by: the model's parameters

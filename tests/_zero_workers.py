@@ -182,9 +182,11 @@ def run(
     async_save: bool = False,
     with_optimizer_state: bool = False,
     limit_train_batches: int = 200,
+    save_distributed_checkpoint: Any = True,  # these scenarios are about sharded directories
 ) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    strategy = NPUHybridStrategy(zero_stage=zero_stage, async_save=async_save)
+    strategy = NPUHybridStrategy(zero_stage=zero_stage, async_save=async_save,
+                                 save_distributed_checkpoint=save_distributed_checkpoint)
     model = OptGPT(optimizer=optimizer, **{**SMALL_GPT, "warmup_steps": 3, **(model_kwargs or {})})
     probe = Probe()
     restored: dict[str, Any] = {}

@@ -4,6 +4,7 @@ a NaN on one rank is skipped by every rank, and SIGTERM to one rank saves on eve
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -59,11 +60,11 @@ def test_callbacks_under_two_processes(tmp_path, strategy):
         torch.testing.assert_close(state[k], v, rtol=0, atol=0)
 
 
-def _rollback_run(root: str) -> dict:
+def _rollback_run(root: str, strategy: Any = "npu_hybrid") -> dict:
     model = StepSeeded(nan_at=(5,), nan_ranks=(1,))
     dyn = DynamicCheckpoint(dirpath=str(Path(root) / "ck"), phase_fractions=(), intervals=(3,), keep_last_k=None)
     guard = GradientHealthGuard(nonfinite_action="rollback", rollback_lr_factor=0.5)
-    trainer = L.Trainer(callbacks=[dyn, guard], **trainer_kwargs(root, 8, devices=2, strategy="npu_hybrid"))
+    trainer = L.Trainer(callbacks=[dyn, guard], **trainer_kwargs(root, 8, devices=2, strategy=strategy))
     trainer.fit(model)
     return {
         "log": {k: v.clone() for k, v in model.param_log.items()},
@@ -74,13 +75,18 @@ def _rollback_run(root: str) -> dict:
     }
 
 
-def test_rollback_under_zero1_restores_the_sharded_checkpoint(tmp_path):
-    """npu_hybrid's default ZeRO-1 (dp=2): a NaN on rank 1 at step 5 rolls every rank back to the step-3 DCP
-    checkpoint (the fp32 master slices are reloaded and all-gathered into the parameters), with half the lr."""
-    from lightning_npu.parallel.checkpoint import consolidate_model_state
+@pytest.mark.parametrize("sharded", [True, False], ids=["directory", "file"])
+def test_rollback_under_zero1_restores_the_sharded_checkpoint(tmp_path, sharded):
+    """npu_hybrid's default ZeRO-1 (dp=2): a NaN on rank 1 at step 5 rolls every rank back to the step-3
+    checkpoint (a DCP directory: the fp32 master slices are reloaded and all-gathered into the parameters; the
+    default single file: full tensors loaded and the slices re-cut from them), with half the lr."""
+    from lightning_npu import NPUHybridStrategy
 
-    r0, r1 = spawn(_rollback_run, 2, str(tmp_path))
-    at3 = consolidate_model_state(tmp_path / "ck" / "step=00000003.ckpt")[0]
+    strategy = NPUHybridStrategy(save_distributed_checkpoint=True) if sharded else "npu_hybrid"
+    r0, r1 = spawn(_rollback_run, 2, str(tmp_path), strategy)
+    saved = tmp_path / "ck" / "step=00000003.ckpt"
+    assert saved.is_dir() == sharded
+    at3 = lightning_npu.load_checkpoint(saved)["state_dict"]
     at3 = torch.cat([v.flatten() for v in at3.values()])
     for r in (r0, r1):
         assert r["optimizer"] == "DistributedOptimizer" and r["actions"] == ["rollback"]

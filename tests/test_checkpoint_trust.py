@@ -73,7 +73,8 @@ def test_planted_pickles_are_refused_by_fit_and_convert_checkpoint(tmp_path, cap
 
     ck = tmp_path / "ck"
     trainer = L.Trainer(callbacks=[_dyn(ck), ModelCheckpoint(dirpath=str(tmp_path / "mc"), monitor="loss")],
-                        strategy=NPUHybridStrategy(), precision="bf16-mixed", **trainer_kwargs(tmp_path, 4))
+                        strategy=NPUHybridStrategy(save_distributed_checkpoint=True), precision="bf16-mixed",
+                        **trainer_kwargs(tmp_path, 4))
     trainer.fit(_Module())
     good = ck / "step=00000004.ckpt"
     # everything Lightning and we put in meta.pt loads as plain data

@@ -43,7 +43,7 @@ def test_resume_matches_uninterrupted(tmp_path):
     """dp=2 with ZeRO-1 checkpoints every 3 steps; a new Trainer resumed from step 3 repeats steps 4-6 exactly."""
     full = spawn(train_gpt, 2, 2, 8, 6, {"zero_stage": 1}, str(tmp_path), None, "32-true", None, 3)
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
-    # a sharded DCP directory (lightning_npu.parallel.checkpoint) under the name ModelCheckpoint chose
+    # the checkpoint (dp-only ZeRO-1: one Lightning file by default) under the name ModelCheckpoint chose
     assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())
     resumed = spawn(train_gpt, 2, 2, 8, 6, {"zero_stage": 1}, None, str(ckpt), "32-true", None, 3)
     assert resumed[0]["global_step"] == 6

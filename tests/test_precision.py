@@ -226,7 +226,7 @@ def test_overflow_skip_and_resume_restore_the_loss_scale(tmp_path):
     full = spawn(train, 2, 2, *args, str(tmp_path), 3, None, *_EPOCHS)
     _assert_skipped_everywhere(full)
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
-    # a sharded DCP directory (lightning_npu.parallel.checkpoint): the precision state is in rank 0's meta.pt
+    # the default single file under dp-only ZeRO 0 (a sharded directory keeps it in rank 0's meta.pt)
     saved = (read_meta(ckpt) if ckpt.is_dir() else torch.load(ckpt, weights_only=False))["HybridPrecision"]
     assert saved["loss_scaler"] == {"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 1}
     resumed = spawn(train, 2, 2, *args, None, 3, str(ckpt), *_EPOCHS)
@@ -254,7 +254,8 @@ def test_bf16_true_checkpoint_resume_dp2_zero0_1_3(tmp_path):
     checkpoint must still save (DCP keys optimizer state by parameter FQN), hold the fp32 masters exactly, and a
     resumed run must restore them bit for bit and repeat the uninterrupted loss curve, under ZeRO 0 and ZeRO 1."""
     def config(zero_stage: int, **kw) -> dict:
-        return dict(devices=2, steps=6, precision="bf16-true", strategy_kwargs={"zero_stage": zero_stage},
+        return dict(devices=2, steps=6, precision="bf16-true",  # about sharded (DCP) checkpoints: ask for them
+                    strategy_kwargs={"zero_stage": zero_stage, "save_distributed_checkpoint": True},
                     model_kwargs={"warmup_steps": 4}, recorder_kwargs={"snapshot_masters": True},
                     limit_train_batches=3, **kw)
 

@@ -515,8 +515,14 @@ def load_sharded(
 
 # ---- consolidation (offline, one process) ------------------------------------------------------
 def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-    """Full (unsharded) model tensors of a DCP checkpoint, read in this process without a process group."""
+    """Full (unsharded) model tensors of a DCP checkpoint (or of a single file), read in this process without a
+    process group."""
     path = resolve_checkpoint_path(path)
+    if path.is_file():
+        meta = safe_torch_load(path)
+        state = meta.pop(MODEL_KEY, {})
+        return {k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k: v
+                for k, v in state.items()}, meta
     meta = read_meta(path) if (path / META_FILENAME).is_file() else {}
     stored = checkpoint_tensor_metadata(path)
     prefix = MODEL_KEY + "."
@@ -658,16 +664,6 @@ def check_stage_keys(path: _PathLike, module: torch.nn.Module) -> None:
         raise CheckpointMismatchError(
             f"The checkpoint {str(path)!r} lacks this pipeline stage's keys {missing[:8]}; load it into the "
             "model it was saved from, or set `LightningModule.strict_loading = False`."
-        )
-
-
-def check_single_file_resume(path: _PathLike, module: torch.nn.Module, resuming: bool) -> None:
-    from lightning_npu.parallel.data import is_fully_sharded
-
-    if resuming and is_fully_sharded(module):
-        raise NotImplementedError(
-            f"{str(path)!r} is a single-file checkpoint; resuming one under zero_stage 2 or 3 is not supported. "
-            "Resume it with zero_stage 0 or 1 and save again (a sharded directory), which then loads under any stage."
         )
 
 

@@ -178,8 +178,10 @@ class ParallelConfig:
         find_unused_parameters: Any = False,
         static_graph: Any = False,
         async_save: Any = False,
+        save_distributed_checkpoint: Any = None,
     ) -> None:
-        """The strategy's launch and DDP options, which are not part of the layout but fail as late as it does."""
+        """The strategy's launch, DDP and checkpoint options, which are not part of the layout but fail as late as it
+        does."""
         if start_method not in START_METHODS:
             raise ParallelConfigError(
                 f"`start_method={start_method!r}` is unknown; choose one of {list(START_METHODS)}."
@@ -187,6 +189,18 @@ class ParallelConfig:
         _flag("find_unused_parameters", find_unused_parameters)
         _flag("static_graph", static_graph)
         _flag("async_save", async_save)
+        sdc = save_distributed_checkpoint
+        if not (sdc is None or isinstance(sdc, bool) or (isinstance(sdc, str) and sdc == "auto")):
+            raise ParallelConfigError(
+                f"`save_distributed_checkpoint={save_distributed_checkpoint!r}` must be None or 'auto' (one file where "
+                "the layout allows it, a sharded directory otherwise), True (always a sharded directory) or False "
+                "(always one Lightning file)."
+            )
+        if sdc is False and async_save is True:
+            raise ParallelConfigError(
+                "`save_distributed_checkpoint=False` with `async_save=True`: background saving writes sharded "
+                "directories; set `save_distributed_checkpoint=None` (or True), or `async_save=False` for one file."
+            )
 
     def _refuse_unimplemented(self) -> None:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""

@@ -43,7 +43,9 @@ def _local_full_state(module: nn.Module) -> dict[str, Any]:
         return tp.unfuse_full_tensors(state, tp.fused_layout(module))
     if tp.is_tensor_parallel(module):
         return tp.gather_shards(module)
-    return module.state_dict()
+    # FSDP2 (ZeRO 2) leaves plain unsharded parameters after a forward outside training, yet its state dict holds
+    # DTensor shards: gather those too
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -108,3 +110,124 @@ def _refresh_distributed_optimizers(module: nn.Module) -> None:
     for opt in map(unwrap_optimizer, _optimizers(module)):
         if isinstance(opt, DistributedOptimizer):
             opt.refresh_masters_from_parameters()
+
+
+# ---- optimizer state as torch's own format, with full tensors ---------------------------------------------
+def _param_fqns(module: nn.Module, optimizer: Any) -> dict[int, str]:
+    """id of each tensor in the optimizer's groups -> its parameter's FQN (ZeRO-1 groups hold master slices)."""
+    if hasattr(optimizer, "master_state_dict"):
+        return {id(m): fqn for fqn, m in optimizer.master_state_dict().items()}
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _full(value: Any, spec: Any) -> Any:
+    """A full, original-layout tensor of one optimizer state entry (a collective for DTensors)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+        if spec is not None and spec.fused is not None:  # tp shards of fused projections are kept rank-major
+            value = tp._part_major(value, spec.fused[0], spec.fused[1], spec.mesh.size())
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def full_optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """`optimizer.state_dict()` as a 1-process run of the same model would have it: ``state`` indexed by the
+    position of each parameter in the groups, full tensors in the original layout, and ``param_groups``. A
+    collective (call on every rank), in any layout; a plain `torch.optim` optimizer, or Lightning under "ddp",
+    loads it with ``load_state_dict``. Why: a single-file checkpoint must be loadable without lightning-npu.
+    """
+    from lightning_npu.parallel.checkpoint import optimizer_state_dict
+
+    optimizer = unwrap_optimizer(optimizer)
+    groups = optimizer_groups(module, optimizer)
+    with masters_as_parameters(module, [optimizer]):  # 16-bit params' fp32 masters are keyed by the params' FQNs
+        flat = optimizer_state_dict(module, optimizer)
+        specs = {n: tp.shard_spec(p) for n, p in module.named_parameters(remove_duplicate=False)}
+        state = {k: _full(v, specs.get(k[len("state."):].rsplit(".", 1)[0]))
+                 for k, v in flat.items() if k.startswith("state.")}
+    state = tp.unfuse_full_tensors(state, tp.fused_layout(module), "state.")
+    group = gn.pipeline_group(getattr(module, "_device_mesh", None))
+    if group is not None:  # each stage holds the state of its own parameters
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, state, group=group)
+        state = {k: v for part in parts for k, v in part.items()}
+    return _indexed(groups, state)
+
+
+def _indexed(groups: list[dict[str, Any]], flat_state: dict[str, Any]) -> dict[str, Any]:
+    """FQN-keyed groups and ``state.<fqn>.<name>`` entries -> torch's position-indexed optimizer state dict."""
+    index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in flat_state.items():
+        fqn, name = key[len("state."):].rsplit(".", 1)
+        if fqn in index:
+            state.setdefault(index[fqn], {})[name] = value
+    return {"state": dict(sorted(state.items())),
+            "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in groups]}
+
+
+def optimizer_groups(module: nn.Module, optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyper-parameters and parameter FQNs (``"params"``), for the whole model (a collective
+    under pp): what turns a sharded checkpoint's FQN-keyed optimizer state back into torch's format offline."""
+    optimizer = unwrap_optimizer(optimizer)
+    with masters_as_parameters(module, [optimizer]):
+        fqn_of = _param_fqns(module, optimizer)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+    group = gn.pipeline_group(getattr(module, "_device_mesh", None))
+    if group is not None:
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, groups, group=group)
+        groups = [{**gs[0], "params": [f for g in gs for f in g["params"]]} for gs in zip(*parts)]
+    return groups
+
+
+def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """Load torch's position-indexed optimizer format with full tensors (a single-file checkpoint, as
+    :func:`full_optimizer_state_dict` writes) into an optimizer over FSDP2 (ZeRO 2/3) shards: each rank keeps
+    its own slices. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    optimizer = unwrap_optimizer(optimizer)
+    with masters_as_parameters(module, [optimizer]):
+        fqn_of = _param_fqns(module, optimizer)
+        fqns = [fqn_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        if len(fqns) != sum(len(g["params"]) for g in state_dict["param_groups"]):
+            raise ValueError("The checkpoint's optimizer state does not match this optimizer's parameters (count "
+                             "differs); resume with the same `configure_optimizers`.")
+        flat = {f"state.{fqns[i]}.{name}": v for i, entry in state_dict["state"].items() for name, v in entry.items()}
+        flat = tp.refuse_fused(flat, tp.fused_layout(module), "state.")
+        state: dict[str, dict[str, Any]] = {}
+        for key, value in flat.items():
+            fqn, name = key[len("state."):].rsplit(".", 1)
+            state.setdefault(fqn, {})[name] = value
+        groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state_dict["param_groups"]]
+        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def select_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict[str, Any],
+                           saved_fqns: list[list[str]]) -> dict[str, Any]:
+    """A whole-model optimizer state in torch's format, whose positions are the parameters `saved_fqns` names
+    (per group), re-indexed for `optimizer`'s own parameters: a pipeline stage's optimizer holds only its part."""
+    optimizer = unwrap_optimizer(optimizer)
+    with masters_as_parameters(module, [optimizer]):
+        fqn_of = _param_fqns(module, optimizer)
+        own = [[fqn_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    position = {fqn: i for i, fqn in enumerate(f for group in saved_fqns for f in group)}
+    missing = [f for group in own for f in group if f not in position]
+    if missing or len(own) != len(state_dict["param_groups"]):
+        raise ValueError(
+            f"The checkpoint's optimizer state does not match this optimizer ({len(state_dict['param_groups'])} "
+            f"saved param groups, {len(own)} here; parameters not in it: {missing[:8]}); resume with the same "
+            "model and `configure_optimizers`."
+        )
+    state, groups, index = {}, [], 0
+    for fqns, saved in zip(own, state_dict["param_groups"]):
+        params = []
+        for fqn in fqns:
+            if position[fqn] in state_dict["state"]:
+                state[index] = state_dict["state"][position[fqn]]
+            params.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,251 @@
+"""Which form an ``npu_hybrid`` checkpoint takes, writing the single-file form, and reading either form offline.
+
+Two forms, chosen by the strategy's ``save_distributed_checkpoint`` (Lightning's name, as in
+`ModelParallelStrategy`):
+
+* one Lightning ``.ckpt`` file (full tensors in the model's original layout, torch's optimizer format):
+  what `LightningModule.load_from_checkpoint`, ``torch.load`` and Lightning's ``"ddp"`` read. Every rank
+  gathers the full state (collectives), rank 0 writes it, then commits it through
+  `lightning_npu.parallel.commit` (temporary file, old copy set aside, rename, marker) like a directory;
+* a sharded DCP directory (`lightning_npu.parallel.checkpoint`): every rank writes only its shards, so it
+  scales to models no rank can hold whole, and it reshards to any layout on load.
+
+The default (``None`` / ``"auto"``) is the file where every dp rank holds full tensors anyway (pp = 1,
+tp = 1, ZeRO 0/1, where only ZeRO-1's optimizer slices need gathering), the directory otherwise and whenever
+``async_save=True`` (background writes are DCP's).
+:func:`load_checkpoint` returns Lightning's checkpoint dict for either form in one plain process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_npu.parallel import commit as _commit
+
+_PathLike = Union[str, Path]
+
+
+# ---- the option (validated in `ParallelConfig.check_strategy_options`) -----------------------------------
+def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
+    """Whether a save writes one Lightning file (else a sharded directory). `async_save` asks for DCP's background
+    writes, which only the directory has."""
+    if value is True or (value is not False and async_save):
+        return False
+    if value is False:
+        return True
+    return cfg.pipeline_parallel_size == 1 and cfg.tensor_parallel_size == 1 and cfg.zero_stage in (0, 1)
+
+
+def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> dict[str, torch.Tensor]:
+    """`lightning_npu.full_state_dict`, with ZeRO-1's fp32 master slices gathered in place of 16-bit parameters
+    (the exact weights, as the sharded form stores them). A collective."""
+    from lightning_npu.parallel.full_state import _full, full_state_dict
+    from lightning_npu.parallel.tensor import shard_spec
+
+    state = full_state_dict(module)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for opt in distributed_optimizers:
+        for fqn, master in opt.master_state_dict().items():
+            if fqn in state and state[fqn].dtype != master.dtype:
+                state[fqn] = _full(master, shard_spec(params[fqn]))
+    return state
+
+
+# ---- what a checkpoint records about the model -------------------------------------------------
+def _pretrained_model(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """(FQN prefix, module) of the first `transformers.PreTrainedModel` inside `module`, if transformers is in use."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    if base is None:
+        return None
+    for name, sub in module.named_modules():
+        if isinstance(sub, base):
+            return (name + "." if name else ""), sub
+    return None
+
+
+def hf_metadata(module: nn.Module) -> Optional[dict[str, str]]:
+    """What `lightning-npu convert-checkpoint --to hf` needs to rebuild a transformers model: its class, its
+    config (JSON text: plain data, loadable with ``weights_only=True``) and where it sits in the module."""
+    found = _pretrained_model(module)
+    if found is None:
+        return None
+    prefix, model = found
+    return {"class": type(model).__name__, "config": model.config.to_json_string(use_diff=False), "prefix": prefix}
+
+
+def checkpoint_metadata(cfg: Any, world_size: int, module: nn.Module, optimizers: list[Any],
+                        checkpoint: dict[str, Any], single_file: bool) -> dict[str, Any]:
+    """The checkpoint's ``"lightning_npu"`` entry: the layout it was saved under, the transformers model it holds
+    (for ``--to hf``), and the optimizers' groups by FQN, from which :func:`load_checkpoint` rebuilds torch's
+    optimizer format offline (directories) and a resume picks each parameter's state (files). A collective
+    under pp."""
+    from lightning_npu.parallel.checkpoint import layout_metadata
+    from lightning_npu.parallel.full_state import optimizer_groups
+
+    info = layout_metadata(cfg, world_size, module)
+    info["hf"] = hf_metadata(module)
+    if single_file:
+        info["fused"] = {}  # full tensors: the original layout
+    if "optimizer_states" in checkpoint:  # a file's too: a pipeline stage picks its parameters' state by FQN
+        info["optimizer_groups"] = [optimizer_groups(module, o) for o in optimizers]
+    return info
+
+
+# ---- the train loader's position: npu_hybrid's own, so that other strategies can resume a file --------------
+_LOADER_KEYS = ("loops", "fit_loop", "state_dict", "combined_loader")
+
+
+def _is_resumable_loader_state(state: Any) -> bool:
+    return isinstance(state, dict) and {"version", "epoch", "consumed_samples", "global_batch_size"} <= state.keys()
+
+
+def set_loader_state_aside(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Move the position of npu_hybrid's resumable train loader (`lightning_npu.parallel.sampler`) from Lightning's
+    loop state to ``checkpoint["lightning_npu"]["combined_loader"]``: under "ddp" Lightning's plain loader is not
+    stateful and would refuse a stored position ("0 stateful loaders, but found 1 states"); it restarts the epoch
+    instead, as for any checkpoint of a non-stateful loader. npu_hybrid puts it back (:func:`restore_loader_state`)."""
+    node, parents = checkpoint, []
+    for key in _LOADER_KEYS[:-1]:
+        if not isinstance(node.get(key) if isinstance(node, dict) else None, dict):
+            return checkpoint
+        parents.append(node)
+        node = node[key]
+    states = node.get(_LOADER_KEYS[-1])
+    if not states or not all(map(_is_resumable_loader_state, states)):
+        return checkpoint
+    out = dict(checkpoint)
+    level = out
+    for key in _LOADER_KEYS[:-1]:
+        level[key] = dict(level[key])
+        level = level[key]
+    del level[_LOADER_KEYS[-1]]
+    out["lightning_npu"] = {**(out.get("lightning_npu") or {}), "combined_loader": states}
+    return out
+
+
+def restore_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`set_loader_state_aside`, for a resume under npu_hybrid."""
+    states = (checkpoint.get("lightning_npu") or {}).get("combined_loader")
+    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    if states and isinstance(fit.get("state_dict"), dict):
+        fit["state_dict"].setdefault("combined_loader", states)
+    return checkpoint
+
+
+# ---- writing one file --------------------------------------------------------------------------
+def _synchronous(checkpoint_io: Any) -> Any:
+    """The IO plugin behind an async wrapper (e.g. `DynamicCheckpoint(async_save=True)`'s): the commit follows the
+    write at once, so the file must be complete when `save_checkpoint` returns."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    while isinstance(checkpoint_io, AsyncCheckpointIO):
+        checkpoint_io = checkpoint_io.checkpoint_io
+    return checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+
+
+def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0: bool, checkpoint_io: Any,
+              agree: Callable[[Optional[str]], Optional[str]], request: Optional[_commit.CommitRequest] = None) -> None:
+    """Collective. Rank 0 writes `checkpoint` (full tensors) to a temporary sibling and commits it as `final`;
+    `agree(message)` broadcasts rank 0's error message, so every rank raises (or not) together."""
+    from lightning_npu.parallel.checkpoint import CheckpointSaveError
+
+    final = Path(final)
+    request = request if request is not None else _commit.CommitRequest()
+    tmp = _commit.temp_path(final, token)
+    _commit.hold(token)
+    message: Optional[str] = None
+    try:
+        if is_rank0:
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                _commit.clean_stale(final.parent, names=[final.name])
+                _synchronous(checkpoint_io).save_checkpoint(checkpoint, tmp)
+                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
+            except Exception as err:
+                _commit.remove_path(tmp)
+                message = (f"Writing the checkpoint {str(final)!r} failed: {err!r}. A previous checkpoint at that path "
+                           "is kept.")
+        message = agree(message)
+        if message is not None:
+            request.error = CheckpointSaveError(message)
+    finally:
+        _commit.release(token)
+        request.done.set()
+    if request.error is not None:
+        raise request.error
+
+
+# ---- reading either form offline ----------------------------------------------------------------
+def load_checkpoint(path: _PathLike) -> dict[str, Any]:
+    """Lightning's checkpoint dict for a single ``.ckpt`` file or a sharded directory saved under any layout.
+
+    ``state_dict`` holds full tensors in the model's original layout; ``optimizer_states`` torch's format
+    (full tensors) where the checkpoint records the optimizers' groups (directories written by earlier
+    versions do not: then the key is absent); everything else (``hyper_parameters``, ``loops``, ``callbacks``,
+    ...) is as Lightning saved it. Runs in one plain process (no process group needed); every file is read
+    with ``weights_only=True``. Use it where Lightning's own loader meets a directory, e.g.
+    ``model.load_state_dict(lightning_npu.load_checkpoint(path)["state_dict"])``.
+    """
+    from lightning_npu.parallel import checkpoint as ckpt
+
+    path = ckpt.resolve_checkpoint_path(path)
+    if path.is_file():
+        return ckpt.safe_torch_load(path)
+    if not ckpt.is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f"{str(path)!r} is neither a checkpoint file nor a lightning-npu sharded checkpoint directory (no "
+            f"{ckpt.META_FILENAME} in it); pass the path ModelCheckpoint or DynamicCheckpoint reported."
+        )
+    state, meta = ckpt.consolidate_model_state(path)
+    out = {**meta, "state_dict": state}
+    groups = (meta.get("lightning_npu") or {}).get("optimizer_groups")
+    if groups:
+        out["optimizer_states"] = _consolidate_optimizers(path, meta, groups)
+    return out
+
+
+def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A single file's whole-model optimizer states, each re-indexed to the parameters its optimizer holds here
+    (e.g. one pipeline stage's), where the file records their FQNs; as it is otherwise (plain Lightning files)."""
+    from lightning_npu.parallel.full_state import select_optimizer_state
+
+    groups = (checkpoint.get("lightning_npu") or {}).get("optimizer_groups")
+    if not groups or "optimizer_states" not in checkpoint:
+        return checkpoint
+    states = [select_optimizer_state(module, o, s, [g["params"] for g in saved])
+              for o, s, saved in zip(optimizers, checkpoint["optimizer_states"], groups)]
+    return {**checkpoint, "optimizer_states": states}
+
+
+def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[dict[str, Any]]]) -> list[dict]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_npu.parallel import checkpoint as ckpt
+    from lightning_npu.parallel.full_state import _indexed
+    from lightning_npu.parallel.tensor import unfuse_full_tensors
+
+    stored = ckpt.checkpoint_tensor_metadata(path)
+    fused = (meta.get("lightning_npu") or {}).get("fused") or {}
+    out = []
+    for i, opt_groups in enumerate(groups):
+        prefix = f"optimizer_{i}."
+        template = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()
+                    if k.startswith(prefix + "state.") and isinstance(v, TensorStorageMetadata)}
+        if template:
+            dcp.load(template, storage_reader=ckpt.SafeFileSystemReader(str(path)), no_dist=True)
+        state = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()}, fused, "state.")
+        out.append(_indexed(opt_groups, state))
+    return out
+
+
+def hf_info(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
+    info = (checkpoint.get("lightning_npu") or {}).get("hf")
+    return {**info, "config": json.loads(info["config"])} if info else None
