@@ -68,7 +68,7 @@ class OrdinaryLM(HFCausalLM):
         self.acc.update(logits.flatten(0, 1), targets.flatten())
         self.tokens.update(torch.tensor(float(targets.numel())))
         self.log("argmax_acc", (logits.argmax(-1) == targets).float().mean(), sync_dist=True)
-        self.log("logit_std", logits.float().std(), sync_dist=True)
+        self.log("logit_sq_mean", logits.float().square().mean(), sync_dist=True)
         as_dtensor = logits.dtensor if isinstance(logits, VocabParallelLogits) else logits
         self.log("logit_mean_dtensor", as_dtensor.detach().float().mean(), sync_dist=True)
         self.log("train_loss", loss, sync_dist=True)
@@ -89,11 +89,11 @@ class MetricsRecorder(L.Callback):
         self.rows: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        keys = ("argmax_acc", "logit_std", "logit_mean_dtensor", "train_loss")
+        keys = ("argmax_acc", "logit_sq_mean", "logit_mean_dtensor", "train_loss")
         self.rows.append({k: float(trainer.callback_metrics[k]) for k in keys})
 
 
-def run_outputs(devices: int, tp: int, steps: int = 3) -> dict[str, Any]:
+def run_outputs(devices: int, tp: int, override: bool = False, steps: int = 3) -> dict[str, Any]:
     strategy_kwargs = {"tensor_parallel_size": tp, "zero_stage": 1 if devices > tp else 0}
     L.seed_everything(0, verbose=False)
     model = OrdinaryLM()
@@ -122,7 +122,7 @@ def run_outputs(devices: int, tp: int, steps: int = 3) -> dict[str, Any]:
         "any_rank0": strategy.reduce_boolean_decision(rank == 0, all=False),
         "all_rank0": strategy.reduce_boolean_decision(rank == 0, all=True),
     }
-    if tp > 1:
+    if override:
         # a dict plan on top of "auto": the LM head replicated (plain, full logits; the loss is an ordinary one)
         L.seed_everything(0, verbose=False)
         model = OrdinaryLM()
