@@ -63,7 +63,11 @@ class NPUHybridStrategy(DDPStrategy):
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         tp_plan: how layers are split under tp > 1: ``"auto"`` (known GPT-2 / Llama /
             ``transformers`` shapes), a dict of module-name glob to a style (``"colwise"``,
-            ``"rowwise"``, ``"vocab"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for no split.
+            ``"rowwise"``, ``"vocab"``, ``"replicate"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for
+            no split. The style ``"auto"`` is the automatic plan's choice, so ``{"*": "auto",
+            "model.lm_head": "replicate"}`` overrides one module (later entries win). A vocab-split head
+            returns logits that work in any code (torchmetrics, ``argmax``, ``generate``) while
+            ``F.cross_entropy`` on them stays vocab-parallel.
         sequence_parallel: also shard norm and dropout activations along the sequence over the tp
             ranks (saves activation memory; needs tp > 1).
         activation_checkpointing: recompute activations in backward: ``None`` off, an int N

@@ -74,3 +74,36 @@ def test_dp2_tp2_outputs_metrics_and_logging_match_one_process():
     ref = reference()
     for rank in spawn(run_outputs, 4, 4, 2):
         check_against_reference(rank, ref, devices=4, tp=2)
+
+
+def test_auto_plan_overrides_and_their_errors():
+    """`{"*": "auto", ...}`: the automatic plan with single modules overridden (later entries win); wrong spellings
+    are refused before any process group, naming the fix."""
+    from examples.gpt.model import GPTModule
+    from lightning_npu import NPUHybridStrategy
+    from lightning_npu.parallel.config import ParallelConfigError
+    from lightning_npu.parallel.tensor import VocabParallelHead, plan_tensor_parallel
+
+    model = GPTModule(n_layer=1, n_head=4, n_embd=32, block_size=16, bias=False)
+    auto = plan_tensor_parallel(model, 2, "auto")
+    same = plan_tensor_parallel(model, 2, {"*": "auto"})
+    assert {k: n for k, (n, _) in same.styles.items()} == {k: n for k, (n, _) in auto.styles.items()}
+    assert isinstance(auto.styles["model.lm_head"][1], VocabParallelHead) and auto.vocab_parallel_head
+    kept = plan_tensor_parallel(model, 2, {"*": "auto", "model.lm_head": "replicate"})
+    assert "model.lm_head" not in kept.styles and "model.lm_head" in kept.replicated and not kept.vocab_parallel_head
+    assert kept.styles["model.transformer.h.0.attn.c_attn"][0] == "qkv"
+    gathered = plan_tensor_parallel(model, 2, {"*": "auto", "*.lm_head": "colwise_rep"})
+    assert gathered.styles["model.lm_head"][0] == "colwise_rep" and not gathered.vocab_parallel_head
+    model.model.adapter = torch.nn.Linear(32, 32)  # unknown to "auto": refused by name, unless overridden
+    with pytest.raises(ParallelConfigError, match=r"the 'auto' entry of tp_plan cannot shard module model\.adapter "
+                                                  r".*\{'\*': 'auto', '<module glob>'"):
+        plan_tensor_parallel(model, 2, {"*": "auto"})
+    assert plan_tensor_parallel(model, 2, {"*": "auto", "model.adapter": "colwise_rep"}).styles["model.adapter"][0] \
+        == "colwise_rep"
+    for plan, message in [
+        ({"auto": True}, r"`tp_plan\['auto'\]`: dict keys are module-name globs.*\{'\*': 'auto', 'model.lm_head'"),
+        ({"*": "auto", "model.lm_head": None}, r"`tp_plan\['model.lm_head'\]=None`: .* use the style 'replicate'"),
+        ({"*": "automatic"}, r"`tp_plan\['\*'\]='automatic'` is not a known style"),
+    ]:
+        with pytest.raises(ParallelConfigError, match=message):
+            NPUHybridStrategy(tensor_parallel_size=2, tp_plan=plan)

@@ -3,7 +3,9 @@
 An ordinary PyTorch model is sharded without rewriting its layers:
 
 * :func:`plan_tensor_parallel` turns ``tp_plan`` ("auto", a dict of ``glob -> style name`` or
-  ``glob -> ParallelStyle``) into a per-module plan and validates it against the tp size
+  ``glob -> ParallelStyle``, where the style ``"auto"`` is the automatic plan's choice so that
+  ``{"*": "auto", "model.lm_head": "replicate"}`` overrides one module) into a per-module plan and
+  validates it against the tp size
   (heads, kv-heads, hidden/FFN widths, vocabulary) **without any process group**, so a bad layout
   fails before ``init_process_group``;
 * :func:`apply_tensor_parallel` runs DTensor's ``parallelize_module`` with those styles, re-ties
@@ -11,6 +13,9 @@ An ordinary PyTorch model is sharded without rewriting its layers:
 * :func:`localize_parameters` converts the DTensor parameters into plain local shards that DDP and
   ZeRO-1 can handle (each sharded module rebuilds DTensors from them around its own forward, like
   torch's ``_pre_dp_module_transform`` but per module and aware of tied weights);
+* the vocab-split LM head (:class:`VocabParallelHead`) returns
+  :class:`~lightning_npu.parallel.logits.VocabParallelLogits`: the full logits for ordinary code
+  (torchmetrics, ``argmax``, ``generate``; gathered once on demand), the shard for the loss;
 * :func:`vocab_parallel_cross_entropy` is a context in which ``F.cross_entropy`` on vocab-sharded
   logits runs DTensor's ``loss_parallel`` (max-subtracted log-softmax, never gathering the logits)
   and returns a plain tensor, so an unchanged ``training_step`` can ``self.log`` it;
@@ -54,6 +59,8 @@ __all__ = [
     "Colwise",
     "Rowwise",
     "TensorParallelPlan",
+    "VocabParallelHead",
+    "VocabParallelLogits",
     "apply_tensor_parallel",
     "gather_shards",
     "load_into_shards",
@@ -819,7 +826,8 @@ class _VocabParallelCrossEntropy(TorchFunctionMode):
 
 @contextlib.contextmanager
 def vocab_parallel_cross_entropy() -> Iterator[None]:
-    """``F.cross_entropy`` on vocab-sharded DTensor logits runs vocab-parallel and returns a plain tensor.
+    """``F.cross_entropy`` on vocab-sharded logits (the head's VocabParallelLogits, or a DTensor) runs vocab-parallel
+    and returns a plain tensor.
 
     DTensor's ``loss_parallel`` computes the log-softmax from per-shard maxima and sums (fp32 when
     the logits are fp32, as ``.float()`` in the loss makes them) and picks each target's logit on the
