@@ -15,7 +15,7 @@ only this rank's shard:
   process computes.
 
 The gather is a collective over the tp group: code that uses the logits must run on every tp rank, as the
-forward itself does. ``repr`` never gathers (it shows the local shard), so printing on one rank is safe.
+forward itself does. ``repr``/``format`` never gather (they show the local shard): printing on one rank is safe.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ class VocabParallelLogits(Tensor):
         kwargs = kwargs or {}
         if _is_metadata_getter(func) or func in _METADATA_OPS:
             return func(*tree_map(unwrap_logits, args), **tree_map(unwrap_logits, kwargs))
-        if func is Tensor.__repr__:
-            return args[0].__repr__()
+        if func is Tensor.__repr__ or func is Tensor.__format__:  # printing never communicates
+            return format(args[0].__repr__(), *args[1:])
         if func is Tensor.__hash__:
             return id(args[0])
         if func is Tensor.requires_grad_:
