@@ -28,6 +28,7 @@ from lightning_npu import device as dev
 from lightning_npu.parallel import checkpoint as ckpt
 from lightning_npu.parallel import grad_norm as gn
 from lightning_npu.parallel import checkpoint_format as ckpt_format
+from lightning_npu.parallel import reduction
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.data import is_fully_sharded, is_sharded_root
 from lightning_npu.parallel.full_state import (
@@ -68,7 +69,11 @@ class NPUHybridStrategy(DDPStrategy):
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         tp_plan: how layers are split under tp > 1: ``"auto"`` (known GPT-2 / Llama /
             ``transformers`` shapes), a dict of module-name glob to a style (``"colwise"``,
-            ``"rowwise"``, ``"vocab"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for no split.
+            ``"rowwise"``, ``"vocab"``, ``"replicate"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for
+            no split. The style ``"auto"`` is the automatic plan's choice, so ``{"*": "auto",
+            "model.lm_head": "replicate"}`` overrides one module (later entries win). A vocab-split head
+            returns logits that work in any code (torchmetrics, ``argmax``, ``generate``) while
+            ``F.cross_entropy`` on them stays vocab-parallel.
         sequence_parallel: also shard norm and dropout activations along the sequence over the tp
             ranks (saves activation memory; needs tp > 1).
         activation_checkpointing: recompute block activations in backward instead of keeping them: ``None``
@@ -205,6 +210,23 @@ class NPUHybridStrategy(DDPStrategy):
         assert self.lightning_module is not None
         # Lightning's LightningModule.device_mesh reads this attribute (also in configure_model).
         self.lightning_module._device_mesh = self._device_mesh
+
+    # ---- collectives for logging and metrics (lightning_npu.parallel.reduction) -------------------
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """``self.log(..., sync_dist=True)``: a DTensor's full value, reduced over the dp ranks (tp and pp peers hold
+        replicas of the same batch); an explicit `group` is honoured."""
+        return reduction.reduce(tensor, self._device_mesh, group, reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """``LightningModule.all_gather``: DTensors as their full values, stacked over the world (Lightning's contract;
+        tp/pp peers' rows are copies: pass ``group=self.device_mesh["dp"].get_group()`` for distinct batches)."""
+        return reduction.all_gather(tensor, group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """A decision (stop, save) every rank shares: summed over the whole world, not the dp group."""
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device),
+                            group=torch.distributed.group.WORLD, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -396,6 +418,7 @@ class NPUHybridStrategy(DDPStrategy):
         if cfg.pipeline_parallel_size > 1 and (self._pipeline is None or self._pipeline.module is not module):
             # validate/test/predict without fit: split here (no gradients to synchronise)
             self._pipeline = apply_pp(module, self.device_mesh, cfg, self._plan_pipeline(), self.root_device)
+        reduction.bind_metrics(module, self.device_mesh)  # torchmetrics sync over dp, like `reduce`
 
     def _pipeline_step(self, kind: str, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
         runner, module, plugin = self._pipeline, self.lightning_module, self.precision_plugin

@@ -15,7 +15,8 @@ def agree_max(trainer: Any, values: Sequence[float]) -> list[float]:
     """Element-wise maximum over all ranks (one collective for the whole vector)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float32, device=trainer.strategy.root_device)
     if trainer.world_size > 1:
-        t = trainer.strategy.reduce(t, reduce_op="max")
+        # the whole world explicitly: npu_hybrid's default group for reduce is dp only
+        t = trainer.strategy.reduce(t, group=torch.distributed.group.WORLD, reduce_op="max")
     return t.tolist()
 
 

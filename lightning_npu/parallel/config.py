@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
-TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "qkv", "gate_up", "sequence", "replicate")
+TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "qkv", "gate_up", "sequence", "replicate", "auto")
 HIERARCHICAL = ("auto", True, False)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # torch.distributed's own backends plus the device plugins' (hccl comes with torch_npu, imported lazily)
@@ -27,6 +27,32 @@ class ParallelConfigError(ValueError):
 
 class NotImplementedYetError(NotImplementedError):
     """A contract argument whose feature has not landed yet (never silently ignored)."""
+
+
+def _check_tp_plan_dict(tp_plan: dict) -> None:
+    """Keys are module-name globs; values style names (``"auto"``: the automatic plan's choice) or ParallelStyles."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    override = "tp_plan={'*': 'auto', 'model.lm_head': 'replicate'}"
+    for pattern, style in tp_plan.items():
+        if not isinstance(pattern, str):
+            raise ParallelConfigError(f"`tp_plan` key {pattern!r} must be a module-name glob (str), e.g. '*.mlp.c_fc'.")
+        if pattern == "auto":
+            raise ParallelConfigError(
+                "`tp_plan['auto']`: dict keys are module-name globs, and no module is called 'auto'. To start from "
+                f"the automatic plan and override single modules, map a glob to 'auto', e.g. {override}."
+            )
+        if style is None:
+            raise ParallelConfigError(
+                f"`tp_plan[{pattern!r}]=None`: to leave a module unsharded use the style 'replicate', e.g. {override}."
+            )
+        if isinstance(style, ParallelStyle):
+            continue
+        if not (isinstance(style, str) and style in TP_STYLES):
+            raise ParallelConfigError(
+                f"`tp_plan[{pattern!r}]={style!r}` is not a known style; use one of {list(TP_STYLES)} "
+                "or a torch.distributed.tensor.parallel.ParallelStyle object."
+            )
 
 
 def _flag(name: str, value: Any) -> None:
@@ -115,12 +141,7 @@ class ParallelConfig:
                 f"({', '.join(TP_STYLES)}) or DTensor ParallelStyle."
             )
         if isinstance(self.tp_plan, dict):
-            for pattern, style in self.tp_plan.items():
-                if isinstance(style, str) and style not in TP_STYLES:
-                    raise ParallelConfigError(
-                        f"`tp_plan[{pattern!r}]={style!r}` is not a known style; use one of {list(TP_STYLES)} "
-                        "or a torch.distributed.tensor.parallel.ParallelStyle object."
-                    )
+            _check_tp_plan_dict(self.tp_plan)
         _flag("sequence_parallel", self.sequence_parallel)
         _flag("fuse_ops", self.fuse_ops)
         if self.sequence_parallel and (self.tensor_parallel_size == 1 or self.tp_plan is None):

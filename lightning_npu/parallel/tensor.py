@@ -3,7 +3,9 @@
 An ordinary PyTorch model is sharded without rewriting its layers:
 
 * :func:`plan_tensor_parallel` turns ``tp_plan`` ("auto", a dict of ``glob -> style name`` or
-  ``glob -> ParallelStyle``) into a per-module plan and validates it against the tp size
+  ``glob -> ParallelStyle``, where the style ``"auto"`` is the automatic plan's choice so that
+  ``{"*": "auto", "model.lm_head": "replicate"}`` overrides one module) into a per-module plan and
+  validates it against the tp size
   (heads, kv-heads, hidden/FFN widths, vocabulary) **without any process group**, so a bad layout
   fails before ``init_process_group``;
 * :func:`apply_tensor_parallel` runs DTensor's ``parallelize_module`` with those styles, re-ties
@@ -11,6 +13,9 @@ An ordinary PyTorch model is sharded without rewriting its layers:
 * :func:`localize_parameters` converts the DTensor parameters into plain local shards that DDP and
   ZeRO-1 can handle (each sharded module rebuilds DTensors from them around its own forward, like
   torch's ``_pre_dp_module_transform`` but per module and aware of tied weights);
+* the vocab-split LM head (:class:`VocabParallelHead`) returns
+  :class:`~lightning_npu.parallel.logits.VocabParallelLogits`: the full logits for ordinary code
+  (torchmetrics, ``argmax``, ``generate``; gathered once on demand), the shard for the loss;
 * :func:`vocab_parallel_cross_entropy` is a context in which ``F.cross_entropy`` on vocab-sharded
   logits runs DTensor's ``loss_parallel`` (max-subtracted log-softmax, never gathering the logits)
   and returns a plain tensor, so an unchanged ``training_step`` can ``self.log`` it;
@@ -48,11 +53,14 @@ from torch.distributed.tensor.parallel import (
 from torch.overrides import TorchFunctionMode
 
 from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.logits import VocabParallelLogits, unwrap_logits
 
 __all__ = [
     "Colwise",
     "Rowwise",
     "TensorParallelPlan",
+    "VocabParallelHead",
+    "VocabParallelLogits",
     "apply_tensor_parallel",
     "gather_shards",
     "load_into_shards",
@@ -188,6 +196,21 @@ class Rowwise(RowwiseParallel):
         )
 
 
+class VocabParallelHead(Colwise):
+    """An LM head split along the vocabulary whose output is :class:`~lightning_npu.parallel.logits.VocabParallelLogits`:
+    vocab-sharded for the vocab-parallel cross-entropy, and the full logits for any other use (torchmetrics,
+    ``argmax``, ``generate``), gathered once on demand. A raw DTensor output broke such code."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"output_layouts": Shard(-1), "use_local_output": False, **kwargs})
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        outputs = Colwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return VocabParallelLogits(outputs) if isinstance(outputs, DTensor) else outputs
+
+
 class _Replicate(ParallelStyle):
     """Leave the module replicated on every tp rank (norms, position embeddings)."""
 
@@ -246,7 +269,7 @@ def _sequence_parallel_style(name: str, module: nn.Module) -> ParallelStyle:
     if name == "vocab" and isinstance(module, nn.Embedding):
         return Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))
     if name == "vocab":
-        return Colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        return VocabParallelHead(input_layouts=Shard(1))
     if name == "rowwise":
         return Rowwise(output_layouts=Shard(1))
     if name == "position":
@@ -278,7 +301,7 @@ def style_from_name(name: str, module: nn.Module) -> ParallelStyle:
     if name == "vocab":
         if isinstance(module, nn.Embedding):
             return Rowwise(input_layouts=Replicate())
-        return Colwise(output_layouts=Shard(-1), use_local_output=False)
+        return VocabParallelHead()
     if name == "colwise_rep":
         return Colwise(output_layouts=Replicate())
     if name == "sequence":
@@ -387,45 +410,45 @@ def plan_tensor_parallel(
     modules = dict(model.named_modules())
     vocab_sizes = {m.num_embeddings for f, m in modules.items()
                    if isinstance(m, nn.Embedding) and f.rsplit(".", 1)[-1] in VOCAB_EMBEDDING_NAMES}
-    if tp_plan == "auto":
-        unknown = []
-        for fqn, module in modules.items():
-            if not fqn or not _has_own_weights(module):
-                if fqn and any(True for _ in module.parameters(recurse=False)):
-                    plan.replicated.append(fqn)  # norms and other 1-D parameters stay replicated
-                continue
-            name = _auto_style(fqn, module, vocab_sizes)
-            if name is None:
-                unknown.append(f"{fqn} ({type(module).__name__})")
-            elif name == "replicate":
-                plan.replicated.append(fqn)
-            else:
-                plan.styles[fqn] = (name, style_from_name(name, module))
-        if unknown:
-            raise ParallelConfigError(
-                f"tp_plan='auto' cannot shard module {unknown[0]}"
-                + (f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])}{'...' if len(unknown) > 4 else ''})"
-                   if len(unknown) > 1 else "")
-                + ": its name/type matches no known transformer layout (nanoGPT/GPT-2 c_attn/c_proj/c_fc, "
-                "Llama q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj, embed_tokens, lm_head). Pass "
-                "an explicit plan, e.g. tp_plan={'<module glob>': 'colwise'|'rowwise'|'vocab'|'replicate'|...}."
-            )
-        if not plan.styles:
-            raise ParallelConfigError(
-                f"tp_plan='auto' found nothing to shard in {type(model).__name__}; pass an explicit tp_plan dict."
-            )
-    else:
-        for pattern, style in tp_plan.items():
-            matched = [f for f in modules if f and fnmatch.fnmatchcase(f, pattern)]
-            if not matched:
-                raise ParallelConfigError(f"`tp_plan[{pattern!r}]` matches no module of {type(model).__name__}.")
-            for fqn in matched:
-                if isinstance(style, ParallelStyle):
-                    plan.styles[fqn] = ("custom", style)
-                elif style == "replicate":
-                    plan.replicated.append(fqn)
-                else:
-                    plan.styles[fqn] = (style, style_from_name(style, modules[fqn]))
+    # the plan's entries in order, later ones winning: "auto" is the dict {"*": "auto"}
+    assigned: dict[str, Any] = {}  # fqn -> style name, ParallelStyle, or None (auto found no layout)
+    for pattern, style in ({"*": "auto"} if tp_plan == "auto" else tp_plan).items():
+        matched = [f for f in modules if f and fnmatch.fnmatchcase(f, pattern)]
+        if not matched:
+            raise ParallelConfigError(f"`tp_plan[{pattern!r}]` matches no module of {type(model).__name__}.")
+        for fqn in matched:
+            if style != "auto":
+                assigned[fqn] = style
+            elif _has_own_weights(modules[fqn]):
+                assigned[fqn] = _auto_style(fqn, modules[fqn], vocab_sizes)
+            elif any(True for _ in modules[fqn].parameters(recurse=False)):
+                assigned[fqn] = "replicate"  # norms and other 1-D parameters stay replicated
+    unknown = [f"{fqn} ({type(modules[fqn]).__name__})" for fqn, style in assigned.items() if style is None]
+    if unknown:
+        where = "tp_plan='auto'" if tp_plan == "auto" else "the 'auto' entry of tp_plan"
+        raise ParallelConfigError(
+            f"{where} cannot shard module {unknown[0]}"
+            + (f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])}{'...' if len(unknown) > 4 else ''})"
+               if len(unknown) > 1 else "")
+            + ": its name/type matches no known transformer layout (nanoGPT/GPT-2 c_attn/c_proj/c_fc, "
+            "Llama q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj, embed_tokens, lm_head). Give it a "
+            "style on top of the automatic plan, e.g. tp_plan={'*': 'auto', '<module glob>': "
+            "'colwise'|'rowwise'|'vocab'|'replicate'|...}."
+        )
+    for fqn in modules:  # module order, whatever the order of the entries
+        style = assigned.get(fqn)
+        if style is None:
+            continue
+        if isinstance(style, ParallelStyle):
+            plan.styles[fqn] = ("custom", style)
+        elif style == "replicate":
+            plan.replicated.append(fqn)
+        else:
+            plan.styles[fqn] = (style, style_from_name(style, modules[fqn]))
+    if tp_plan == "auto" and not plan.styles:
+        raise ParallelConfigError(
+            f"tp_plan='auto' found nothing to shard in {type(model).__name__}; pass an explicit tp_plan dict."
+        )
     _validate(plan, modules)
     if sequence_parallel:
         _make_sequence_parallel(plan, modules)
@@ -788,7 +811,13 @@ def _class_sharded(t: Any) -> bool:
 class _VocabParallelCrossEntropy(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.cross_entropy and args and _class_sharded(args[0]):
+        logits = (args[0] if args else kwargs.get("input")) if func is F.cross_entropy else None
+        if logits is not None and _class_sharded(unwrap_logits(logits)):
+            # the head's VocabParallelLogits: its DTensor, never gathered
+            if args:
+                args = (unwrap_logits(logits), *args[1:])
+            else:
+                kwargs = {**kwargs, "input": unwrap_logits(logits)}
             out = func(*args, **kwargs)  # vocab_parallel_cross_entropy() has loss_parallel active around us
             # the loss is Replicate over tp: its local value is the whole loss, and to_local is differentiable
             return out.to_local() if isinstance(out, DTensor) else out
@@ -797,7 +826,8 @@ class _VocabParallelCrossEntropy(TorchFunctionMode):
 
 @contextlib.contextmanager
 def vocab_parallel_cross_entropy() -> Iterator[None]:
-    """``F.cross_entropy`` on vocab-sharded DTensor logits runs vocab-parallel and returns a plain tensor.
+    """``F.cross_entropy`` on vocab-sharded logits (the head's VocabParallelLogits, or a DTensor) runs vocab-parallel
+    and returns a plain tensor.
 
     DTensor's ``loss_parallel`` computes the log-softmax from per-shard maxima and sums (fp32 when
     the logits are fp32, as ``.float()`` in the loss makes them) and picks each target's logit on the
