@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
 from lightning_npu.parallel.full_state import full_state_dict, load_full_state_dict
+from lightning_npu.parallel.grad_norm import grad_norm
 from lightning_npu.precision import HybridPrecision
 from lightning_npu.strategy import NPUHybridStrategy
 
@@ -30,6 +31,7 @@ __all__ = [
     "NotImplementedYetError",
     "ParallelConfigError",
     "full_state_dict",
+    "grad_norm",
     "load_full_state_dict",
     "register",
 ]
