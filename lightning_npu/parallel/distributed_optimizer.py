@@ -258,7 +258,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them
         # (state lives on the buckets: Lightning's LightningOptimizer calls this on a copy of our __dict__)
         self.grad_buckets.clear()
-        self._published.clear()
+        self.hide_model_grads()  # the shown slices, even with set_to_none=False: autograd cannot add to them
         for p in self.model_params:
             if p.grad is not None:
                 if set_to_none:

@@ -173,7 +173,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._published.clear()
+        self.hide_model_grads()  # (never zeroed in place: a shown gradient is a copy or a view)
         for p, _ in self.master_pairs:  # the 16-bit gradients, when no step consumed them
             if p.grad is not None:
                 if set_to_none:
