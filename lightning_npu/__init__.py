@@ -11,6 +11,7 @@ from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.parallel.checkpoint_format import load_checkpoint
 from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
 from lightning_npu.parallel.full_state import full_state_dict, load_full_state_dict
+from lightning_npu.parallel.grad_norm import grad_norm
 from lightning_npu.precision import HybridPrecision
 from lightning_npu.strategy import NPUHybridStrategy
 
@@ -32,6 +33,7 @@ __all__ = [
     "ParallelConfigError",
     "full_state_dict",
     "load_checkpoint",
+    "grad_norm",
     "load_full_state_dict",
     "register",
 ]

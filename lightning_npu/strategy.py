@@ -352,6 +352,8 @@ class NPUHybridStrategy(DDPStrategy):
         1/accumulate in each micro-batch's loss; here its held gradients are added to ``.grad`` and Lightning's
         backward hooks still run."""
         module = self.lightning_module
+        for opt in self.optimizers:  # a published (reduced, unscaled) `.grad` is not what this backward adds to
+            unwrap_optimizer(opt).hide_model_grads()
         if self._pipeline is None:
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)

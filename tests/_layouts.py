@@ -5,8 +5,8 @@ row's layout in real processes; the tests compare what it returns with the one-p
 precision. Checks a row can ask for:
 
 - ``parity``: logged losses per step and the final full state equal the reference's (fp32);
-- ``guard``: GradientHealthGuard's ``health/grad_norm`` equals the reference's global norm and the norm the
-  precision plugin clipped with (one statistics function);
+- ``guard``: GradientHealthGuard's ``health/grad_norm`` equals the reference's global norm, the norm the
+  precision plugin clipped with (one statistics function) and `lightning_npu.grad_norm` of the model's ``.grad``;
 - ``guard_loss``: ``health/loss`` equals the logged ``train_loss`` (the training loss, not loss x scale);
 - ``full_state``: `lightning_npu.load_full_state_dict` round-trips through `lightning_npu.full_state_dict`.
 """
@@ -61,10 +61,15 @@ class StepRecorder(L.Callback):
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Lightning's grad_norm recipe on the model's `.grad` (lightning_npu's: every layout), before clipping
+        self._npu_grad_norm = float(lightning_npu.grad_norm(pl_module, 2)["grad_2.0_norm_total"])
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
         row = {k: float(metrics[k]) for k in ("health/grad_norm", "health/loss", "train_loss", "grad_norm")
                if k in metrics}
+        row["npu_grad_norm"] = self._npu_grad_norm
         self.rows.append(row)
 
 

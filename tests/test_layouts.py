@@ -31,6 +31,8 @@ def test_layout(layout):
             guard = torch.tensor([r["health/grad_norm"] for r in rows])
             clipped = torch.tensor([r["grad_norm"] for r in rows])
             torch.testing.assert_close(guard, clipped, rtol=1e-6, atol=0)  # one statistics function
+            # what the hooks see as p.grad (dp slices, tp shards, pipeline stages) gives the same global norm
+            torch.testing.assert_close(torch.tensor([r["npu_grad_norm"] for r in rows]), guard, rtol=1e-5, atol=0)
             # the 1-process global norm: at step 1 exactly the same model; later steps follow the same trajectory
             # (fp32) or a close one (bf16: first step only)
             expected = torch.tensor([r["health/grad_norm"] for r in ref_rows])

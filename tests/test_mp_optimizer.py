@@ -47,12 +47,16 @@ def test_masters_unscale_step_and_skip():
     expected_grad = model.weight.grad.float() / 8.0
     before = masters[0].detach().clone()
     assert opt.prepare_grads() is False
-    assert model.weight.grad is None and torch.equal(masters[0].grad, expected_grad)
+    assert torch.equal(masters[0].grad, expected_grad)
+    # the module's 16-bit `.grad` shows the unscaled main gradient (Lightning's hooks read it), a copy
+    assert model.weight.grad.dtype == torch.bfloat16 and torch.equal(model.weight.grad, expected_grad.bfloat16())
     opt.step()
     assert torch.equal(masters[0], before - 0.5 * expected_grad)
     assert torch.equal(model.weight, masters[0].to(torch.bfloat16))
     assert (opt.steps, opt.step_skipped, scaler.scale) == (1, False, 8.0)
 
+    opt.hide_model_grads()  # the strategy's backward: autograd starts from None, not from the shown copy
+    assert model.weight.grad is None
     opt.zero_grad()
     _backward(model, scale=8.0, poison=True)
     weights, master_weights = model.weight.detach().clone(), masters[0].detach().clone()

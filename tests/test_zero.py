@@ -89,7 +89,9 @@ def test_per_rank_bytes_halve_by_stage(runs):
         assert z1["optim_bytes"][-1] == pytest.approx(full_optim / 2, rel=0.02)
         assert z1["param_bytes_rest"][-1] == full_params and z1["param_bytes_fwd"][-1] == full_params
         assert z1["step_grad_bytes"][-1] == pytest.approx(full_grads / 2, rel=0.02)
-        assert z1["grad_bytes"][-1] == 0
+        # the model's `.grad` shows that half as DTensor views of the same storage (counted here, not allocated):
+        # tests/test_lightning_native.py checks that they share it
+        assert z1["grad_bytes"][-1] == pytest.approx(full_grads / 2, rel=0.02)
         assert z0["step_grad_bytes"][-1] == full_grads
         # ZeRO 2: + gradients halve; forward keeps the gathered parameters for backward
         assert z2["optim_bytes"][-1] == pytest.approx(full_optim / 2, rel=0.02)

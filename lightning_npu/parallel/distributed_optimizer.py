@@ -112,6 +112,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.masters = [torch.zeros_like(b.grad) for b in self.buckets]
         self._shard_of: dict[int, nn.Parameter] = {}  # model param id -> master DTensor parameter
         self._grad_of: dict[int, DTensor] = {}
+        self._model_grad_of: dict[int, DTensor] = {}
         for bucket, flat in zip(self.buckets, self.masters):
             for s in bucket.slices:
                 with torch.no_grad():
@@ -123,6 +124,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         setattr(master, attr, value)
                 self._shard_of[id(s.param)] = master
                 self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param)
+                if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
+                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param)
 
         # the public groups hold the DTensor slices (what schedulers, clipping, guards and checkpoints see); the
         # user's optimizer class steps plain views of the same storage: DTensor dispatch per foreach op cost ~6x
@@ -158,6 +161,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return DTensor.from_local(local, self._dp_tp_mesh, (dp_placement, tp_placement), run_check=False,
                                   shape=spec.shape, stride=spec.stride)
 
+    def _model_grad(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
+        # over dp only, shaped like the model parameter (a local tp shard under tp: `.grad` must match its shape)
+        return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
+                                  stride=param.stride())
+
     def master_of(self, param: torch.Tensor) -> Optional[nn.Parameter]:
         """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here)."""
         return self._shard_of.get(id(param))
@@ -181,6 +189,32 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket in self.buckets:
             for p in bucket.params:
                 self._shard_of[id(p)].grad = self._grad_of[id(p)] if p.requires_grad else None
+        self.publish_model_grads()
+
+    @torch.no_grad()
+    def publish_model_grads(self) -> None:
+        """Each model parameter's ``.grad`` is its reduced gradient as a dp-sharded DTensor (``Shard(0)``, this rank's
+        rows, as FSDP2 shows them): a view of the reduce-scattered slice for fp32 parameters, so gradient memory
+        stays 1/dp and unscaling and clipping show in it; a 16-bit copy of the slice for 16-bit parameters."""
+        for bucket in self.buckets:
+            for s in bucket.slices:
+                p = s.param
+                master = self._shard_of[id(p)]
+                if master.grad is None:
+                    continue
+                shown = self._model_grad_of.get(id(p))
+                if shown is None:  # 16-bit parameter: refresh the copy made at the first publish of this step
+                    shown = self._published.get(id(p))
+                    local = bucket.local_view(bucket.grad, s)
+                    if shown is None or p.grad is not shown:
+                        shown = self._model_grad(local.to(p.dtype), p)
+                    else:
+                        shown.to_local().copy_(local)
+                p.grad = shown
+                self._published[id(p)] = shown
+
+    def _published_params(self) -> list[torch.Tensor]:
+        return self.model_params
 
     # ---- step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -224,6 +258,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them
         # (state lives on the buckets: Lightning's LightningOptimizer calls this on a copy of our __dict__)
         self.grad_buckets.clear()
+        self.hide_model_grads()  # the shown slices, even with set_to_none=False: autograd cannot add to them
         for p in self.model_params:
             if p.grad is not None:
                 if set_to_none:

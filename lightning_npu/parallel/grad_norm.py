@@ -17,8 +17,9 @@ rank takes the same skip/step decision (a per-rank decision deadlocks sharded op
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,75 @@ def gradient_statistics(parameters: Iterable[Tensor], pp_group: Optional[dist.Pr
 def global_norm(parameters: Sequence[Tensor], values: Sequence[Tensor], pp_group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """fp32 global L2 norm of `values`, each sharded like the matching parameter (e.g. weights or updates)."""
     return _global_moments(zip(parameters, values), pp_group)[0].sqrt()
+
+
+def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
+              group_separator: str = "/") -> dict[str, Tensor]:
+    """Lightning's ``lightning.pytorch.utilities.grad_norm`` over every rank, in every layout. Collective.
+
+    Same arguments and keys (``grad_{p}_norm/{name}`` per parameter, ``grad_{p}_norm_total``), and on a plain
+    replicated gradient the same values. Each gradient counts once whatever holds it: a dp-sharded DTensor
+    (ZeRO 1/2/3), a tp shard (a DTensor, or a plain local shard under zero 0/1) or a pipeline stage's (every rank
+    returns every stage's entries). The values are identical on every rank, so ``self.log_dict(...,
+    sync_dist=True)`` logs them unchanged. Why not Lightning's own: it builds its total with
+    ``torch.tensor(list_of_norms)``, which cannot read DTensors (FSDP2's and ZeRO-1's gradients), and a local
+    shard's norm is not the parameter's. Call it on every rank, e.g. in ``on_before_optimizer_step``.
+    """
+    p = float(norm_type)
+    if p <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {p}")
+    named = [(name, param) for name, param in module.named_parameters() if param.grad is not None]
+    values = _per_parameter_norms(named, p)
+    names = [name for name, _ in named]
+    pp_group = pipeline_group(getattr(module, "_device_mesh", None))
+    if pp_group is not None:  # stages hold disjoint parameters: every rank gets every stage's entries
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, [names, values.cpu().tolist()], group=pp_group)
+        names = [n for part in parts for n in part[0]]
+        values = torch.tensor([v for part in parts for v in part[1]], dtype=torch.float32, device=values.device)
+    norms = {f"grad_{p}_norm{group_separator}{name}": v for name, v in zip(names, values.unbind(0))}
+    if norms:
+        norms[f"grad_{p}_norm_total"] = values.norm(p)
+    return norms
+
+
+def _reduction_groups(param: Tensor, grad: Tensor) -> tuple[Any, ...]:
+    """The process groups a gradient's elements are spread over (each to be summed over once)."""
+    groups: list[Any] = []
+    if _is_dtensor(grad):
+        mesh = grad.device_mesh
+        groups += [mesh.get_group(i) for i, pl in enumerate(grad.placements) if _is_sharded(pl)]
+    if not _is_dtensor(param) and sharding_of(param) is not None:  # a plain local tp shard (zero 0/1)
+        mesh, placements = sharding_of(param)
+        groups += [mesh.get_group(i) for i, pl in enumerate(placements) if _is_sharded(pl)]
+    return tuple(groups)
+
+
+def _per_parameter_norms(named: Sequence[tuple[str, Tensor]], p: float) -> Tensor:
+    """fp32 global p-norm of each parameter's gradient: one reduction per set of process groups."""
+    inf = math.isinf(p)
+    device = local_tensor(named[0][1].grad).device if named else torch.device("cpu")
+    local = torch.zeros(len(named), dtype=torch.float32, device=device)
+    by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[int]]] = {}
+    for i, (_, param) in enumerate(named):
+        grad = param.grad
+        groups = _reduction_groups(param, grad)
+        if _is_dtensor(grad):
+            grad = _reduced_placements(grad).to_local()
+        if grad.numel():
+            n = torch.linalg.vector_norm(grad, p, dtype=torch.float32)
+            local[i] = n if inf else n.pow(p)
+        by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append(i)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    for groups, index in by_groups.values():
+        if not groups:
+            continue
+        idx = torch.tensor(index, device=device)
+        part = local.index_select(0, idx)
+        for group in groups:
+            dist.all_reduce(part, op=op, group=group)
+        local.index_copy_(0, idx, part)
+    return local if inf else local.pow(1.0 / p)
 
 
 def pipeline_group(mesh: Optional[Any]) -> Optional[dist.ProcessGroup]:

@@ -92,6 +92,9 @@ class MixedPrecisionOptimizer(Optimizer):
         self.step_skipped = False  # the last training step's overflow decision
         self._found_inf: Optional[bool] = None  # None until `prepare_grads` in this step
         self._stats: Optional[Tensor] = None
+        # model parameter id -> the `.grad` `publish_model_grads` showed it (a dict: Lightning's LightningOptimizer
+        # calls `zero_grad` on a shallow copy of this object's __dict__, so state must live in shared containers)
+        self._published: dict[int, Tensor] = {}
         # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the user's groups and state
         Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
         self.optimizer = optimizer
@@ -118,6 +121,7 @@ class MixedPrecisionOptimizer(Optimizer):
                 device = gn.local_tensor(grads[0] if grads else params[0]).device if params else torch.device("cpu")
                 found = gn.all_ranks_found_inf(gn.unscale_and_check_(grads, 1.0 / self.scaler.scale, device))
             self._found_inf = found
+            self.publish_model_grads()  # `on_before_optimizer_step` reads the unscaled gradients, as in Lightning
         return self._found_inf
 
     def gradient_statistics(self) -> Tensor:
@@ -169,6 +173,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.hide_model_grads()  # (never zeroed in place: a shown gradient is a copy or a view)
         for p, _ in self.master_pairs:  # the 16-bit gradients, when no step consumed them
             if p.grad is not None:
                 if set_to_none:
@@ -176,11 +181,37 @@ class MixedPrecisionOptimizer(Optimizer):
                 else:
                     p.grad.zero_()
 
+    # ---- the model's `.grad` in Lightning's hooks ------------------------------------------------
+    def publish_model_grads(self) -> None:
+        """Show each model parameter this step's main gradient as ``.grad`` (what Lightning's hooks and user code
+        read). ``*-true``: the 16-bit ``.grad`` from backward is kept and overwritten with the unscaled fp32 main
+        gradient (a copy: editing it does not change the step). fp32 parameters step their own ``.grad``."""
+        with torch.no_grad():
+            for p, master in self.master_pairs:
+                if master.grad is None:
+                    p.grad = None
+                elif p.grad is not None:
+                    gn.local_tensor(p.grad).copy_(gn.local_tensor(master.grad))
+                    self._published[id(p)] = p.grad
+
+    def hide_model_grads(self) -> None:
+        """Before a backward: drop the ``.grad`` that `publish_model_grads` showed, so that autograd starts from
+        None (it cannot add to an unscaled copy or a ZeRO-1 slice); gradients of accumulating micro-steps, which
+        were never published, stay."""
+        if self._published:
+            for p in self._published_params():
+                shown = self._published.get(id(p))
+                if shown is not None and p.grad is shown:
+                    p.grad = None
+            self._published.clear()
+
+    def _published_params(self) -> list[Tensor]:
+        return [p for p, _ in self.master_pairs]
+
     # ---- what a subclass changes (ZeRO-1) -------------------------------------------------------
     def _copy_model_grads_to_main_grads(self) -> None:
         for p, master in self.master_pairs:
             master.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
-            p.grad = None
 
     def _step_main_params(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
