@@ -39,8 +39,9 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
-    while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer  # Lightning's LightningOptimizer
+    from lightning_npu.parallel.optimizer import unwrap_optimizer
+
+    optimizer = unwrap_optimizer(optimizer)
     seen: set[int] = set()
     for opt in (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "inner", None)):
         if opt is None or id(opt) in seen:

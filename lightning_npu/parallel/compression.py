@@ -28,6 +28,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_npu.parallel.grad_sync import all_gather_into
+
 MODES = ("bf16", "int8", "topk", "onebit", "powersgd")
 CHUNK = 256  # values per int8/onebit scale
 
@@ -94,8 +96,7 @@ def spec_for(parsed: Any, module_name: str) -> Optional[CompressionSpec]:
 def _all_gather(flat: torch.Tensor, group: Any) -> torch.Tensor:
     world = dist.get_world_size(group)
     out = flat.new_empty(world * flat.numel())
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, flat.flatten(), group=group)
+    all_gather_into(out, flat.flatten(), group=group)
     return out.view(world, *flat.shape)
 
 

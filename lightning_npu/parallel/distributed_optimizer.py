@@ -33,21 +33,15 @@ import inspect
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
-from lightning_npu.parallel.grad_sync import GradientBuckets
+from lightning_npu.parallel.grad_sync import GradientBuckets, all_gather_into
 from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
 from lightning_npu.parallel.tensor import shard_spec
-
-
-def _all_gather(*args: Any, **kwargs: Any) -> Any:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(*args, **kwargs)
 
 
 # optimizers whose update of an element depends only on that element's gradient and state
@@ -224,7 +218,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, master in zip(self.buckets, self.masters):
             mine = master.to(bucket.dtype)
             full = torch.empty(self.dp, bucket.total, dtype=bucket.dtype, device=mine.device)
-            work = _all_gather(full.view(-1), mine, group=self.dp_group, async_op=True)
+            work = all_gather_into(full.view(-1), mine, group=self.dp_group, async_op=True)
             pending.append((bucket, full, work))
         for bucket, full, work in pending:
             work.wait()

@@ -39,6 +39,12 @@ def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
+def all_gather_into(*args: Any, **kwargs: Any) -> Any:
+    """`dist.all_gather_into_tensor` under the name torch 2.13 gives it (the old name warns)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
 def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = None) -> Any:
     """Launch the SUM of one fp32 gradient bucket over the dp `group`; returns the async work.
 
