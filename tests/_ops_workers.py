@@ -24,7 +24,7 @@ class _Losses(L.Callback):
 def train_small_gpt(fuse_ops: bool, steps: int = 4) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     strategy = NPUHybridStrategy(fuse_ops=fuse_ops, zero_stage=0)
-    model = GPTModule(n_layer=2, n_head=4, n_embd=32, block_size=32, learning_rate=1e-3, bias=True)
+    model = GPTModule(n_layer=2, n_head=4, n_embd=32, block_size=32, learning_rate=1e-3, bias=True, attention="explicit")
     rec = _Losses()
     trainer = L.Trainer(
         accelerator="cpu",

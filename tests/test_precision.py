@@ -58,7 +58,7 @@ class _SoftmaxObserver(TorchFunctionMode):
 
 def _tiny_gpt() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, attention="explicit"))
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])

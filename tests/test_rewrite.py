@@ -39,7 +39,7 @@ def assert_same_training_signal(plain: nn.Module, fused: nn.Module, forward, rto
 
 def small_gpt(**kw) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{**dict(n_layer=2, n_head=4, n_embd=64, block_size=32), **kw}))
+    return GPT(GPTConfig(**{**dict(n_layer=2, n_head=4, n_embd=64, block_size=32, attention="explicit"), **kw}))
 
 
 def test_example_gpt_rewrite_matches_unfused():

@@ -26,6 +26,7 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    attention: str = "sdpa"  # "sdpa": fused kernel; "explicit": T x T scores + a softmax module
 
 
 class CausalSoftmax(nn.Module):
@@ -41,6 +42,21 @@ class CausalSoftmax(nn.Module):
         return torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
 
 
+class CausalSDPA(nn.Module):
+    """Causal attention through `F.scaled_dot_product_attention` (flash/memory-efficient kernels where they exist).
+
+    The kernels keep the softmax statistics in fp32, so no fp32 island is needed; on Ascend the rewrite pass
+    swaps in ``npu_fusion_attention``.
+    """
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -50,16 +66,24 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.attn_softmax = CausalSoftmax(self.head_dim)
-        self.attn_dropout = nn.Dropout(cfg.dropout)
+        if cfg.attention == "sdpa":
+            self.attn_core = CausalSDPA(cfg.dropout)
+        elif cfg.attention == "explicit":
+            self.attn_softmax = CausalSoftmax(self.head_dim)
+            self.attn_dropout = nn.Dropout(cfg.dropout)
+        else:
+            raise ValueError(f"attention={cfg.attention!r}: expected 'sdpa' or 'explicit'.")
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 instead of n_embd/n_head: under tensor parallelism the local width and head count shrink.
         q, k, v = self.c_attn(x).view(b, t, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        att = self.attn_dropout(self.attn_softmax(q @ k.transpose(-2, -1)))
-        y = (att @ v).transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
+        if hasattr(self, "attn_core"):
+            y = self.attn_core(q, k, v)
+        else:
+            y = self.attn_dropout(self.attn_softmax(q @ k.transpose(-2, -1))) @ v
+        y = y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -137,6 +161,7 @@ class GPTModule(L.LightningModule):
         n_embd: int = 128,
         dropout: float = 0.0,
         bias: bool = True,
+        attention: str = "sdpa",
         learning_rate: float = 1e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -145,7 +170,7 @@ class GPTModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias))
+        self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, attention))
         self._step_started: float | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
