@@ -115,6 +115,12 @@ def empty_cache(device_type: str) -> None:
         torch.get_device_module(device_type).empty_cache()
 
 
+def reset_peak_memory(device_type: str) -> None:
+    """Start a new peak (``max_allocated_bytes``) on an accelerator; CPU has no allocator peak to reset."""
+    if device_type != CPU:
+        torch.get_device_module(device_type).reset_peak_memory_stats()
+
+
 def memory_stats(device: torch.device | str) -> dict[str, float]:
     """Allocator numbers for an accelerator, or this process's RSS on CPU (bytes)."""
     device = torch.device(device)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, read_meta
@@ -58,3 +59,18 @@ def test_llama_config_trains_a_transformers_llama_with_tp2(tmp_path):
     # the loss the guard saw is a real next-byte loss, near ln(256) at initialisation
     guard = next(v for k, v in meta["callbacks"].items() if "GradientHealthGuard" in k)
     assert math.isfinite(guard["loss_ema"]) and 3.0 < guard["loss_ema"] < 7.0, guard
+
+
+def test_gpu_mfu_benchmark_runs_tiny_on_cpu(tmp_path):
+    """The GPU benchmark's CPU smoke run: every arm trains the same model on the same batches."""
+    from benchmarks import gpu_mfu
+
+    result = gpu_mfu.main(["--tiny", "--repeats", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    arms = result["arms"]
+    assert set(arms) >= {"torch", "ddp", "npu_hybrid", "npu_hybrid_fuse_ops"}
+    assert all("error" not in e for e in arms.values()), {k: e.get("error") for k, e in arms.items()}
+    for name in ("torch", "npu_hybrid", "npu_hybrid_no_loss_scale", "npu_hybrid_no_fp32_functions"):
+        assert arms[name]["losses"] == pytest.approx(arms["ddp"]["losses"], rel=1e-5), name
+    assert arms["npu_hybrid_fuse_ops"]["losses"] == pytest.approx(arms["ddp"]["losses"], rel=1e-3)
+    assert result["n_params"] > 0 and result["flops_per_token"] > 6 * result["n_matmul_params"]
+    assert (tmp_path / "gpu_mfu_cpu.json").is_file()

@@ -3,6 +3,9 @@
 The model is created in `configure_model`, Lightning's hook for models that a strategy shards, so
 under ``tensor_parallel_size=2`` the automatic plan splits attention (q/k/v colwise, o rowwise), the
 MLP (gate/up colwise, down rowwise) and the vocabulary (embedding and head) over the tp ranks.
+Attention runs through PyTorch's `scaled_dot_product_attention` (``attn_implementation="sdpa"``), whose
+flash and memory-efficient kernels keep the softmax statistics in fp32. ``fused_optimizer=True`` picks
+AdamW's single-kernel step on accelerators.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class LlamaModule(L.LightningModule):
         max_position_embeddings: int = 128,
         learning_rate: float = 2e-3,
         weight_decay: float = 0.1,
+        attn_implementation: str = "sdpa",
+        fused_optimizer: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -48,7 +53,7 @@ class LlamaModule(L.LightningModule):
             num_key_value_heads=h.num_key_value_heads,
             max_position_embeddings=h.max_position_embeddings,
             tie_word_embeddings=False,
-            attn_implementation="eager",
+            attn_implementation=h.attn_implementation,
         )
         self.model = LlamaForCausalLM(config)
 
@@ -75,4 +80,5 @@ class LlamaModule(L.LightningModule):
             [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.learning_rate,
             betas=(0.9, 0.95),
+            fused=self.hparams.fused_optimizer or None,
         )
