@@ -114,8 +114,12 @@ def test_plan_llama_config_json_and_strategy_block(capsys, monkeypatch):
     from lightning_npu import cli
 
     monkeypatch.chdir(ROOT)
-    cli.main(["plan", "--model", "examples/llama/config.yaml", "--devices", "8", "--json", "--top", "3"])
+    cli.main(["plan", "--model", "examples/llama/config.yaml", "--devices", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
+    # a transformers model: the strategy refuses sequence parallelism for it, so no layout may propose it
+    assert out["layouts"] and not any(r["layout"]["sequence_parallel"] for r in out["layouts"])
+    assert out["model"]["attention"] == "flash"  # attn_implementation defaults to sdpa
+    out["layouts"] = out["layouts"][:3]
     # the config's model block: LlamaModule(hidden_size=64, intermediate_size=176, 2 layers, 4 heads, 2 kv heads)
     assert {k: out["model"][k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "mlp", "seq")} == dict(
         layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, mlp="swiglu", seq=128)

@@ -146,7 +146,7 @@ def plan(
                         continue  # nothing to shard over
                     for rc in recompute:
                         for sp in sequence_parallel:
-                            if sp and tp == 1:
+                            if sp and (tp == 1 or not model.sequence_parallel_ok):
                                 continue
                             result.considered += 1
                             layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule)

@@ -45,7 +45,8 @@ class ModelSpec:
 
     ``mlp="gelu"`` is GPT's two-matrix MLP, ``"swiglu"`` Llama's three. ``attention="eager"`` keeps the
     softmax probabilities (heads x seq per token) for backward, ``"flash"`` does not. `seq` is the training
-    sequence length and `global_batch` the sequences per optimizer step.
+    sequence length and `global_batch` the sequences per optimizer step. `sequence_parallel_ok=False` keeps
+    sequence-parallel layouts out of the search.
     """
 
     layers: int
@@ -62,6 +63,7 @@ class ModelSpec:
     norm: str = "layernorm"
     tied_embeddings: bool = False
     learned_positions: bool = False
+    sequence_parallel_ok: bool = True  # False for `transformers` models, which the strategy refuses to sequence-shard
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
@@ -261,11 +263,13 @@ def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
     devices = trainer.get("devices", 1)
     if "batch_size" in data and isinstance(devices, int):
         found["global_batch"] = int(data["batch_size"]) * devices
-    if llama:
+    if llama:  # a `transformers` model: SDPA unless the config asks for eager attention; no sequence parallelism
         found.setdefault("kv_heads", found.get("heads"))
-        found.update(mlp="swiglu", norm="rmsnorm", attention="eager")
-    else:
-        found.update(attention="eager", learned_positions=True, mlp="gelu")
+        eager = args.get("attn_implementation", "sdpa") == "eager"
+        found.update(mlp="swiglu", norm="rmsnorm", attention="eager" if eager else "flash", sequence_parallel_ok=False)
+    else:  # the example GPT: SDPA unless attention="explicit"
+        eager = args.get("attention", "sdpa") == "explicit"
+        found.update(attention="eager" if eager else "flash", learned_positions=True, mlp="gelu")
     found.update({k: v for k, v in overrides.items() if v is not None})
     missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq", "global_batch") if f not in found]
     if missing:
