@@ -272,3 +272,15 @@ def _npu():
     from lightning_npu.ops import npu
 
     return npu
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+    """Causal attention, q/k/v [batch, heads, seq, head_dim]: `npu_fusion_attention` on NPU,
+    ``F.scaled_dot_product_attention`` (PyTorch's fused kernels) everywhere else."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"`dropout_p={dropout_p}` must be in [0, 1) for attention.")
+    DTensor = _dtensor_cls()
+    plain = DTensor is None or not any(isinstance(t, DTensor) for t in (q, k, v))
+    if plain and backend_for(q) == "npu" and q.dim() == 4:
+        return _npu().fusion_attention(q, k, v, None, True, q.size(-1) ** -0.5, keep_prob=1.0 - dropout_p)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
