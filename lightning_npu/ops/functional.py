@@ -203,7 +203,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
 def add_rms_norm(
     x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: Optional[float] = None
 ) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual), x + residual); eps=None means finfo(dtype).eps as in F.rms_norm."""
+    """(rms_norm(x + residual), x + residual); eps=None means F.rms_norm's default (``reference.rms_eps``)."""
     loc = _localize(x, (residual,), (weight,), rowwise=True)
     if loc is None:
         xg, (rg, wg), restore = _gather_hidden(x, residual, weight)
@@ -216,7 +216,7 @@ def add_rms_norm(
     if route == "npu":
         y, h = _npu().add_rms_norm(xl, rl, wl, eps)
     elif route == "ext" and (rl is None or rl.dtype == xl.dtype):
-        e = torch.finfo(xl.dtype).eps if eps is None else float(eps)
+        e = reference.rms_eps(xl.dtype) if eps is None else float(eps)
         y, h, _, _ = _library().add_norm(xl, rl, _acc(wl, xl), None, e, True)
         if rl is None:
             h = xl

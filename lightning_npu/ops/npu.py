@@ -44,7 +44,7 @@ def add_rms_norm(x: Tensor, residual: Optional[Tensor], weight, eps: Optional[fl
         weight = weight.to(torch.float32 if h.dtype == torch.float32 else h.dtype)
     if (h.dtype, weight.dtype) not in _RMS_NORM_DTYPES:  # fp64 and friends
         return reference.add_rms_norm(x, residual, weight, eps)
-    eps = torch.finfo(h.dtype).eps if eps is None else eps
+    eps = reference.rms_eps(h.dtype) if eps is None else eps
     y, _rstd = import_torch_npu().npu_rms_norm(h, weight, epsilon=eps)
     return y, h
 
