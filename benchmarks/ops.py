@@ -129,9 +129,12 @@ def bench_gpt(configs, steps):
         torch.manual_seed(0)
         base = GPT(GPTConfig(**cfg))
         steps_fn = {}
-        for fused in (False, True):
+        for fused in (False, True, "explicit"):
             model = copy.deepcopy(base)
-            if fused:
+            if fused == "explicit":
+                model = GPT(GPTConfig(**cfg, attention="explicit"))
+                model.load_state_dict(base.state_dict())
+            if fused is True:
                 rewrite_modules(model, device="cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             idx = torch.randint(0, cfg["vocab_size"], (batch, cfg["block_size"]))
@@ -148,7 +151,10 @@ def bench_gpt(configs, steps):
         timings = {k: v[0] for k, v in res.items()}
         row = {"model": label, "config": cfg, "batch": batch, "unfused_step_ms": round(timings[False], 2), "unfused_min_ms": round(res[False][1], 2),
                "fused_min_ms": round(res[True][1], 2),
-               "fused_step_ms": round(timings[True], 2), "speedup": round(timings[False] / timings[True], 3)}
+               "fused_step_ms": round(timings[True], 2), "speedup": round(timings[False] / timings[True], 3),
+               # the same model with attention="explicit" (T x T softmax module), unfused: SDPA's gain
+               "explicit_attention_step_ms": round(timings["explicit"], 2),
+               "sdpa_vs_explicit_speedup": round(timings["explicit"] / timings[False], 3)}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -160,13 +166,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ops.json"))
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (1 = robust on a shared box)")
+    ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end GPT steps")
     ap.add_argument("--ops", nargs="*", default=None, help="only these op rows (e.g. layer_norm softmax), no end-to-end")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if extension.load() is None:
         raise SystemExit(f"C++ kernels unavailable: {extension.load_error()}")
     tokens, heads, seq = (1024, 4, 256) if args.quick else (8 * 1024, 12, 1024)
-    ops = bench_ops([torch.float32, torch.bfloat16], tokens, heads, seq, args.repeat, not args.quick and not args.ops,
+    ops = [] if args.e2e_only else bench_ops([torch.float32, torch.bfloat16], tokens, heads, seq, args.repeat, not args.quick and not args.ops,
                     only=args.ops)
     gpt_cfgs = [
         ("example GPT (examples/gpt/config.yaml)", dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
