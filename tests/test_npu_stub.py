@@ -214,3 +214,14 @@ def test_rms_norm_default_eps_is_torch_default():
     for w in (None, torch.ones(64)):
         want = F.rms_norm(x.float(), (64,), w, None)
         torch.testing.assert_close(fx.rms_norm(x, w, None).float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_fuse_ops_takes_a_pattern_list_or_all():
+    from lightning_npu import NPUHybridStrategy
+    from lightning_npu.parallel.config import ParallelConfigError
+
+    for ok in (True, False, "all", ["swiglu", "rms_norm"]):
+        NPUHybridStrategy(fuse_ops=ok)
+    for bad in (1, "some", ["swiglu", "flash"]):
+        with pytest.raises(ParallelConfigError, match="fuse_ops"):
+            NPUHybridStrategy(fuse_ops=bad)
