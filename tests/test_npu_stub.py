@@ -58,7 +58,7 @@ def test_stub_enforces_schema_and_documented_limits(tnpu):
     assert len(tnpu.npu_fusion_attention(x, x, x, 1, "BNSD")) == 7 and len(tnpu.npu_rms_norm(x, torch.ones(64))) == 2
 
 
-def test_npu_ops_match_reference(tnpu):
+def test_npu_ops_match_reference(tnpu, monkeypatch):
     torch.manual_seed(0)
     close = dict(rtol=1e-5, atol=1e-5)
     # norms: fp32, and the dtype pairs the kernels do not take (fp32 x / bf16 gamma; fp64)
@@ -102,6 +102,12 @@ def test_npu_ops_match_reference(tnpu):
         F.scaled_dot_product_attention(q, k, v, attn_mask=keep & ~reference.causal_mask(16, 16, q.device)), **close,
     )
     assert _calls(tnpu, "npu_fusion_attention")[-1]["head_num"] == 4
+    # the SDPA module's dropout reaches the kernel as keep_prob, with the causal triangle as atten_mask
+    monkeypatch.setattr(fx, "backend_for", lambda t: "npu")
+    fx.causal_attention(q, k, v, 0.25)
+    call = _calls(tnpu, "npu_fusion_attention")[-1]
+    assert call["keep_prob"] == 0.75 and call["input_layout"] == "BNSD" and call["scale"] == 8**-0.5
+    assert torch.equal(call["atten_mask"], reference.causal_mask(16, 16, q.device))
 
 
 class SwiGLUMLP(nn.Module):
