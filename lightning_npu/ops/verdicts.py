@@ -45,7 +45,7 @@ MEASURED: dict[str, dict[str, Verdict]] = {
         "gelu[none]": Verdict(False, 0.984, _CPU_E2E + " (as linear+bias_gelu, the same kernel)"),
         "gelu[tanh]": Verdict(True, 1.70, _CPU_OPS + " (bias_gelu[tanh])"),
         # faster per op (bias_gelu 1.22x, add_layer_norm 1.32x, layer_norm 1.08x) but not in a GPT training step:
-        # 0.98x / 0.99x / 0.97x at n_embd=128, equal within noise at n_embd=768 (per-op gain < call overhead)
+        # 0.98x / 0.99x / 0.97x at n_embd=128, equal within noise at n_embd=768
         "linear+bias_gelu": Verdict(False, 0.984, _CPU_E2E),
         "residual_add+layer_norm": Verdict(False, 0.986, _CPU_E2E),
         "rms_norm": Verdict(True, 8.14, _CPU_OPS + " (add_rms_norm)"),
