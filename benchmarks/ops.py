@@ -74,6 +74,8 @@ def op_cases(dtype, tokens: int, heads: int, seq: int):
     cases.append(("scale_causal_softmax", tuple(s.shape), [s], lambda: (s,),
                   lambda s: fx.scale_mask_softmax(s, scale, causal=True),
                   lambda s: ref.scale_mask_softmax(s, scale, causal=True)))
+    cases.append(("softmax", tuple(s.shape), [s], lambda: (s,),
+                  lambda s: fx.scale_mask_softmax(s), lambda s: torch.softmax(s, dim=-1)))
     g, u = leaf(tokens, f, scale=2.0), leaf(tokens, f)
     cases.append(("swiglu", (tokens, f), [g, u], lambda: (g, u), fx.swiglu, ref.swiglu))
     return cases
@@ -93,10 +95,12 @@ def interleaved(fns: dict, repeat: int, warmup: int = 2) -> dict:
     return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
 
 
-def bench_ops(dtypes, tokens, heads, seq, repeat, with_inductor):
+def bench_ops(dtypes, tokens, heads, seq, repeat, with_inductor, only=None):
     rows = []
     for dtype in dtypes:
         for name, shape, leaves, make, ours, eager in op_cases(dtype, tokens, heads, seq):
+            if only and name not in only:
+                continue
             row = {"op": name, "dtype": str(dtype).replace("torch.", ""), "shape": list(shape)}
             fns = {"ours": fwd_bwd(ours, leaves, make), "eager": fwd_bwd(eager, leaves, make)}
             if with_inductor:
@@ -125,9 +129,12 @@ def bench_gpt(configs, steps):
         torch.manual_seed(0)
         base = GPT(GPTConfig(**cfg))
         steps_fn = {}
-        for fused in (False, True):
+        for fused in (False, True, "explicit"):
             model = copy.deepcopy(base)
-            if fused:
+            if fused == "explicit":
+                model = GPT(GPTConfig(**cfg, attention="explicit"))
+                model.load_state_dict(base.state_dict())
+            if fused is True:
                 rewrite_modules(model, device="cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             idx = torch.randint(0, cfg["vocab_size"], (batch, cfg["block_size"]))
@@ -144,7 +151,10 @@ def bench_gpt(configs, steps):
         timings = {k: v[0] for k, v in res.items()}
         row = {"model": label, "config": cfg, "batch": batch, "unfused_step_ms": round(timings[False], 2), "unfused_min_ms": round(res[False][1], 2),
                "fused_min_ms": round(res[True][1], 2),
-               "fused_step_ms": round(timings[True], 2), "speedup": round(timings[False] / timings[True], 3)}
+               "fused_step_ms": round(timings[True], 2), "speedup": round(timings[False] / timings[True], 3),
+               # the same model with attention="explicit" (T x T softmax module), unfused: SDPA's gain
+               "explicit_attention_step_ms": round(timings["explicit"], 2),
+               "sdpa_vs_explicit_speedup": round(timings["explicit"] / timings[False], 3)}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -156,17 +166,20 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ops.json"))
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (1 = robust on a shared box)")
+    ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end GPT steps")
+    ap.add_argument("--ops", nargs="*", default=None, help="only these op rows (e.g. layer_norm softmax), no end-to-end")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if extension.load() is None:
         raise SystemExit(f"C++ kernels unavailable: {extension.load_error()}")
     tokens, heads, seq = (1024, 4, 256) if args.quick else (8 * 1024, 12, 1024)
-    ops = bench_ops([torch.float32, torch.bfloat16], tokens, heads, seq, args.repeat, not args.quick)
+    ops = [] if args.e2e_only else bench_ops([torch.float32, torch.bfloat16], tokens, heads, seq, args.repeat, not args.quick and not args.ops,
+                    only=args.ops)
     gpt_cfgs = [
         ("example GPT (examples/gpt/config.yaml)", dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
         ("GPT-2-small width, 2 layers", dict(vocab_size=256, block_size=256, n_layer=2, n_head=12, n_embd=768), 4),
     ]
-    e2e = bench_gpt(gpt_cfgs[:1] if args.quick else gpt_cfgs, 10 if args.quick else 15)
+    e2e = [] if args.ops else bench_gpt(gpt_cfgs[:1] if args.quick else gpt_cfgs, 10 if args.quick else 15)
     result = {
         "meta": {
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),

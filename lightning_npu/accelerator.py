@@ -4,6 +4,11 @@ Lightning resolves ``Trainer(accelerator="npu")`` through its registry; construc
 accelerator is the first moment we know the user wants an NPU, so that is where a missing
 `torch_npu` turns into an error that says what to install (instead of Lightning's generic
 "not available on your system").
+
+It is also the first object Lightning hands the trainer to on any strategy, so it is where the
+mixed-precision plugin Lightning built for ``precision="bf16-mixed"``/``"16-mixed"`` (which
+autocasts on "cuda" for every accelerator but CPU/MPS, i.e. silently fp32 on an NPU) is rebuilt
+for the ``npu`` device.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any, Union
 
 import torch
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_npu import device as dev
 
@@ -26,6 +32,18 @@ class NPUAccelerator(Accelerator):
             raise dev.NPUUnavailableError(
                 "`torch_npu` is installed but reports no usable NPU (torch.npu.is_available() is False). "
                 "Check `npu-smi info` and that the CANN environment (`set_env.sh`) is sourced."
+            )
+
+    def setup(self, trainer: Any) -> None:
+        """Strategies call this before they use the precision plugin: retarget AMP to the NPU."""
+        strategy = trainer.strategy
+        plugin = strategy.precision_plugin
+        if type(plugin) is MixedPrecision and plugin.device != dev.NPU:
+            strategy.precision_plugin = MixedPrecision(plugin.precision, device=dev.NPU)
+        elif isinstance(plugin, MixedPrecision) and plugin.device != dev.NPU:
+            raise ValueError(
+                f"{type(plugin).__name__} autocasts on {plugin.device!r} but the accelerator is 'npu'; pass "
+                "`plugins=[MixedPrecision(precision, device='npu')]` or use `strategy='npu_hybrid'`."
             )
 
     def setup_device(self, device: torch.device) -> None:

@@ -3,7 +3,10 @@
 Every other module asks this one for the device type, its count, its collective backend,
 memory numbers, synchronisation and RNG state, so that the same strategy code serves Ascend
 NPUs, CUDA GPUs and CPUs. ``torch_npu`` is imported lazily: importing it registers the
-``npu`` device with PyTorch, and it must not be a hard dependency of a CPU install.
+``npu`` device with PyTorch, and it must not be a hard dependency of a CPU install. "Lazily"
+means *this package* never imports it at module level; since torch 2.5, ``import torch`` itself
+loads an installed torch_npu through the ``torch.backends`` entry point unless
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is set, in which case the first NPU request here imports it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ def import_torch_npu() -> Any:
         return importlib.import_module("torch_npu")
     except ImportError as err:
         raise NPUUnavailableError(f"`torch_npu` is not installed. {_TORCH_NPU_HINT}") from err
+    except Exception as err:  # noqa: BLE001 - torch_npu raises RuntimeError (CUDA torch) or bare Exception (CANN)
+        raise NPUUnavailableError(
+            f"`torch_npu` is installed but failed to import ({type(err).__name__}: {err}). It needs a CPU build of "
+            f"the exact torch version it was built for and a sourced CANN toolkit. {_TORCH_NPU_HINT}"
+        ) from err
 
 
 def torch_npu_installed() -> bool:

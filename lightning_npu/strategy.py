@@ -82,8 +82,9 @@ class NPUHybridStrategy(DDPStrategy):
             ``memory_budget_gb``, measured on the first step).
         memory_budget_gb: per-rank memory (GB, 10**9 bytes) that ``activation_checkpointing="auto"`` fits
             model state plus saved activations into; ``None``: 90% of what the device has free after step 1.
-        fuse_ops: replace norms, softmax, GELU, SwiGLU and dropout+add with fused kernels
-            (``state_dict`` keys unchanged).
+        fuse_ops: replace norms, softmax, GELU, SwiGLU and attention with fused kernels (``state_dict``
+            keys unchanged). True: only the patterns measured faster on this device type
+            (``lightning_npu.ops.verdicts``); ``"all"`` or a list of pattern names: those (to measure them).
         gradient_compression: compress gradients before the dp reduction: ``None`` or a mode
             (``"bf16"``, ``"int8"``, ``"topk"``, ``"onebit"``, ``"powersgd"``).
         bucket_size_mb: size of the gradient buckets that are reduced together, in MiB.
@@ -119,7 +120,7 @@ class NPUHybridStrategy(DDPStrategy):
         sequence_parallel: bool = False,
         activation_checkpointing: Union[None, int, str] = None,
         memory_budget_gb: Optional[float] = None,
-        fuse_ops: bool = False,
+        fuse_ops: Union[bool, str, list[str]] = False,
         gradient_compression: Optional[str] = None,
         bucket_size_mb: float = 25.0,
         hierarchical_allreduce: Union[str, bool] = "auto",

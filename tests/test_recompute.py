@@ -108,7 +108,7 @@ LAYOUTS = [
     ({"tensor_parallel_size": 2, "zero_stage": 1, "sequence_parallel": True}, 1, "32-true"),
     ({"pipeline_parallel_size": 2, "zero_stage": 0}, 1, "32-true"),
     ({"zero_stage": 3}, "selective", "32-true"),
-    ({"zero_stage": 1, "fuse_ops": True}, "full", "bf16-mixed"),  # the fused fp32 islands recompute identically
+    ({"zero_stage": 1, "fuse_ops": "all"}, "full", "bf16-mixed"),  # the fused fp32 islands recompute identically
 ]
 
 

@@ -203,7 +203,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
 def add_rms_norm(
     x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: Optional[float] = None
 ) -> tuple[Tensor, Tensor]:
-    """(rms_norm(x + residual), x + residual); eps=None means finfo(dtype).eps as in F.rms_norm."""
+    """(rms_norm(x + residual), x + residual); eps=None means F.rms_norm's default (``reference.rms_eps``)."""
     loc = _localize(x, (residual,), (weight,), rowwise=True)
     if loc is None:
         xg, (rg, wg), restore = _gather_hidden(x, residual, weight)
@@ -216,7 +216,7 @@ def add_rms_norm(
     if route == "npu":
         y, h = _npu().add_rms_norm(xl, rl, wl, eps)
     elif route == "ext" and (rl is None or rl.dtype == xl.dtype):
-        e = torch.finfo(xl.dtype).eps if eps is None else float(eps)
+        e = reference.rms_eps(xl.dtype) if eps is None else float(eps)
         y, h, _, _ = _library().add_norm(xl, rl, _acc(wl, xl), None, e, True)
         if rl is None:
             h = xl
@@ -272,3 +272,15 @@ def _npu():
     from lightning_npu.ops import npu
 
     return npu
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+    """Causal attention, q/k/v [batch, heads, seq, head_dim]: `npu_fusion_attention` on NPU,
+    ``F.scaled_dot_product_attention`` (PyTorch's fused kernels) everywhere else."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"`dropout_p={dropout_p}` must be in [0, 1) for attention.")
+    DTensor = _dtensor_cls()
+    plain = DTensor is None or not any(isinstance(t, DTensor) for t in (q, k, v))
+    if plain and backend_for(q) == "npu" and q.dim() == 4:
+        return _npu().fusion_attention(q, k, v, None, True, q.size(-1) ** -0.5, keep_prob=1.0 - dropout_p)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)

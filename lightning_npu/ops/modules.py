@@ -115,3 +115,12 @@ class PreNormBlockFusion(FusedModule):
             return x + self.mlp(ln(x))
         y, h = fx.add_layer_norm(a, x, ln.weight, ln.bias, ln.eps)
         return h + self.mlp(y)
+
+
+class FusionAttentionSDPA(FusedModule):
+    """Causal ``F.scaled_dot_product_attention`` (BNSD) on ``npu_fusion_attention`` when the
+    inputs live on an NPU; dropout keeps its meaning (p = 1 - keep_prob, training only)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return fx.causal_attention(q, k, v, p)

@@ -36,6 +36,11 @@ def add_layer_norm(
     return F.layer_norm(h, (h.shape[-1],), weight, bias, eps), h
 
 
+def rms_eps(dtype: torch.dtype) -> float:
+    """F.rms_norm's eps=None: the machine epsilon of the dtype it accumulates in (fp32 for 16-bit inputs)."""
+    return torch.finfo(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype).eps
+
+
 def add_rms_norm(
     x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: Optional[float]
 ) -> tuple[Tensor, Tensor]:

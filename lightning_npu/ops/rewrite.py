@@ -4,6 +4,8 @@ A pattern is only rewritten when it is provably the computation we fuse: norms a
 by exact class, composite modules (MLP, pre-norm block, causal softmax) by comparing the AST of
 their ``forward`` with the known form. Anything that merely looks similar is left alone and
 reported with the reason, because a silently different forward would change the model.
+Which matched patterns are actually rewritten depends on the device type (``ops.verdicts``):
+only those measured faster there, so ``fuse_ops`` never slows a run down.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import ast
 import inspect
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from lightning_npu import device as dev
-from lightning_npu.ops import extension
+from lightning_npu.ops import extension, verdicts
 from lightning_npu.ops import modules as fm
 
 
@@ -28,6 +30,7 @@ class Replacement:
     original: str
     fused: str
     kernel: str
+    why: str = ""
 
 
 @dataclass
@@ -43,6 +46,7 @@ class FusionReport:
     backend: str
     replaced: list[Replacement] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    patterns: list[str] = field(default_factory=list)  # the patterns this pass was allowed to rewrite
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -56,11 +60,12 @@ class FusionReport:
             "backend": self.backend,
             "replaced": [vars(r) for r in self.replaced],
             "skipped": [vars(s) for s in self.skipped],
+            "patterns": list(self.patterns),
         }
 
     def __str__(self) -> str:
         lines = [f"fusion on {self.device} via {self.backend}: {len(self.replaced)} replaced, {len(self.skipped)} skipped"]
-        lines += [f"  + {r.name or '<root>'}: {r.original} -> {r.fused} [{r.kernel}]" for r in self.replaced]
+        lines += [f"  + {r.name or '<root>'}: {r.original} -> {r.fused} [{r.kernel}] {r.why}" for r in self.replaced]
         lines += [f"  - {s.name or '<root>'}: {s.original}: {s.reason}" for s in self.skipped]
         return "\n".join(lines)
 
@@ -96,6 +101,9 @@ _CAUSAL_SOFTMAX = _known(
     mask = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
     return torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
     """
+)
+_CAUSAL_SDPA = _known(
+    "return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)"
 )
 _SWIGLU_MLP = _known(
     "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\nreturn down_proj"
@@ -173,6 +181,8 @@ def _match(m: nn.Module) -> Union[Rule, Skipped, None]:
         return fm.SoftmaxFusion, "softmax", {}
     if _forward_is(m, _CAUSAL_SOFTMAX) and isinstance(getattr(m, "scale", None), float):
         return fm.CausalSoftmaxFusion, "scale_causal_softmax", {}
+    if _forward_is(m, _CAUSAL_SDPA) and isinstance(getattr(m, "dropout", None), float):
+        return fm.FusionAttentionSDPA, "fusion_attention", {}
     if _forward_is(m, _GPT_MLP):
         if isinstance(getattr(m, "c_fc", None), nn.Linear) and _gelu_form(m.gelu) in ("none", "tanh"):
             return fm.BiasGELUMLPFusion, "linear+bias_gelu", {}
@@ -208,19 +218,31 @@ def _backend(device_type: str) -> str:
     return f"{device_type}: PyTorch fused kernels"
 
 
-def rewrite_modules(model: nn.Module, device: Union[torch.device, str, None] = None) -> FusionReport:
+def _device_type(device: Union[torch.device, str]) -> str:
+    """The type of a device or device string; a string need not name a registered backend ("npu" on a CUDA box)."""
+    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+
+
+def rewrite_modules(
+    model: nn.Module,
+    device: Union[torch.device, str, None] = None,
+    patterns: Union[str, Iterable[str], None] = None,
+) -> FusionReport:
     """Swap fused forwards onto the fusable modules of `model` in place; returns the report.
 
-    `device` selects the kernels the report announces (and, for CPU, builds the C++ extension
-    now rather than inside the first forward); at run time each op dispatches on its inputs'
-    device, so a model moved later still runs correctly. Parameters, buffers, hooks and
-    ``state_dict`` keys are untouched, so checkpoints load with or without fusion.
+    `device` selects the kernels the report announces and the patterns rewritten by default:
+    those measured faster on that device type (``ops.verdicts``; none on CUDA). `patterns`
+    overrides that: kernel names from ``verdicts.PATTERNS`` or "all", e.g. to measure a
+    device's table. At run time each op dispatches on its inputs' device, so a model moved
+    later still runs correctly. Parameters, buffers, hooks and ``state_dict`` keys are
+    untouched, so checkpoints load with or without fusion.
     """
     if device is None:
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device(dev.CPU)
-    device_type = torch.device(device).type
-    report = FusionReport(device=str(device), backend=_backend(device_type))
+    device_type = _device_type(device)
+    enabled = verdicts.default_patterns(device_type) if patterns is None else verdicts.check_patterns(patterns)
+    report = FusionReport(device=str(device), backend=_backend(device_type), patterns=sorted(enabled))
     folded: set[str] = set()
     for name, m in model.named_modules():
         if isinstance(m, fm.FusedModule):
@@ -238,11 +260,16 @@ def rewrite_modules(model: nn.Module, device: Union[torch.device, str, None] = N
             report.skipped.append(found)
             continue
         mixin, kernel, attrs = found
+        verdict = verdicts.verdict(device_type, kernel)
+        if kernel not in enabled:
+            why = verdict.why() if patterns is None else "not in the `patterns` passed to rewrite_modules"
+            report.skipped.append(Skipped(name, type(m).__name__, f"{kernel} kept eager on {device_type}: {why}"))
+            continue
         original = type(m)
         m.__class__ = fm.fused_class(original, mixin)
         for k, v in attrs.items():
             setattr(m, k, v)
-        report.replaced.append(Replacement(name, original.__name__, m.__class__.__name__, kernel))
+        report.replaced.append(Replacement(name, original.__name__, m.__class__.__name__, kernel, verdict.why()))
         if mixin is fm.BiasGELUMLPFusion:
             folded.add(f"{name}.gelu" if name else "gelu")
     return report

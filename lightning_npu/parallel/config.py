@@ -60,6 +60,19 @@ def _flag(name: str, value: Any) -> None:
         raise ParallelConfigError(f"`{name}={value!r}` must be True or False.")
 
 
+def _check_fuse_ops(value: Any) -> None:
+    """True (the device's measured table), False, "all", or a list of pattern names (to measure them)."""
+    if isinstance(value, bool) or value == "all":
+        return
+    from lightning_npu.ops.verdicts import PATTERNS
+
+    if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v in PATTERNS for v in value)):
+        raise ParallelConfigError(
+            f"`fuse_ops={value!r}` must be True (the patterns measured faster on this device), False, 'all' or a "
+            f"list of pattern names from {list(PATTERNS)}."
+        )
+
+
 def _check_backend(value: Any) -> None:
     """A backend name, or Lightning's per-device form ``"cpu:gloo,cuda:nccl"``; typos fail here, not at init."""
     if value is None:
@@ -99,7 +112,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     activation_checkpointing: Union[None, int, str] = None
     memory_budget_gb: Optional[float] = None
-    fuse_ops: bool = False
+    fuse_ops: Union[bool, str, list[str]] = False
     gradient_compression: Optional[str] = None
     bucket_size_mb: float = 25.0
     hierarchical_allreduce: Union[str, bool] = "auto"
@@ -143,7 +156,7 @@ class ParallelConfig:
         if isinstance(self.tp_plan, dict):
             _check_tp_plan_dict(self.tp_plan)
         _flag("sequence_parallel", self.sequence_parallel)
-        _flag("fuse_ops", self.fuse_ops)
+        _check_fuse_ops(self.fuse_ops)
         if self.sequence_parallel and (self.tensor_parallel_size == 1 or self.tp_plan is None):
             raise ParallelConfigError(
                 "`sequence_parallel=True` shards activations over the tensor-parallel group: it needs "

@@ -71,7 +71,7 @@ def parallelize(
 
     `pipeline`: this model's stages when an earlier validate/test already split it (kept as they are).
     """
-    fusion_report = apply_fused_ops(model, device) if cfg.fuse_ops else None
+    fusion_report = apply_fused_ops(model, device, cfg.fuse_ops) if cfg.fuse_ops else None
     zero23 = cfg.zero_stage in (2, 3)
     tp_names = apply_tp(model, mesh, tp_plan, localize=not zero23)
     recompute_report = apply_ac(model, cfg.activation_checkpointing)
@@ -87,10 +87,11 @@ def parallelize(
     return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report, auto, buffer_sync)
 
 
-def apply_fused_ops(model: nn.Module, device: torch.device) -> Any:
+def apply_fused_ops(model: nn.Module, device: torch.device, cfg_fuse: Any = True) -> Any:
     from lightning_npu.ops import rewrite_modules
 
-    return rewrite_modules(model, device=device)
+    patterns = None if cfg_fuse is True else cfg_fuse  # True: the device's measured table
+    return rewrite_modules(model, device=device, patterns=patterns)
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> list[str]:
