@@ -37,6 +37,7 @@ from lightning_npu.parallel.full_state import (
     load_full_state_dict,
 )
 from lightning_npu.parallel.grad_sync import GradientSync
+from lightning_npu.parallel.hierarchical import setup_hierarchy
 from lightning_npu.parallel.mesh import build_mesh
 from lightning_npu.parallel.optimizer import (
     MixedPrecisionOptimizer,
@@ -159,6 +160,7 @@ class NPUHybridStrategy(DDPStrategy):
             static_graph=static_graph,
         )
         self._device_mesh: Optional[DeviceMesh] = None
+        self.hierarchy: Any = None  # parallel.hierarchical.HierarchicalAllReduce of this rank's dp group, if any
         self.fusion_report: Any = None
         self.recompute_report: Any = None  # lightning_npu.parallel.recompute.RecomputeReport (activation_checkpointing)
         self._auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
@@ -201,6 +203,10 @@ class NPUHybridStrategy(DDPStrategy):
         # fit -> validate -> test reuse one mesh: building it again would create new process groups.
         if self._device_mesh is None or tuple(self._device_mesh.mesh.shape) != cfg.mesh_shape:
             self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
+            # the intra/inter-node sub-groups of dp, before any model exists (every rank, same order)
+            self.hierarchy = setup_hierarchy(
+                self._device_mesh, cfg.hierarchical_allreduce, cfg.zero_stage, self.num_nodes,
+                self.cluster_environment.node_rank(), self.root_device.type, cfg.bucket_size_mb)
 
     def setup_environment(self) -> None:
         dev.configure_allocator(self.root_device.type)  # before the process's first device allocation

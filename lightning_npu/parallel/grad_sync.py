@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_npu.parallel import hierarchical
+
 
 def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
     # torch 2.13 renamed the single-tensor collectives (the old names warn)
@@ -52,6 +54,9 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
     the r-th of ``world`` equal chunks) into `out`. The caller waits and divides by the dp size.
     """
     if out is None:
+        hierarchy = hierarchical.for_group(group)  # intra-node, inter-node, intra-node (hierarchical_allreduce)
+        if hierarchy is not None and hierarchy.applies(flat):
+            return hierarchy.all_reduce(flat)
         return dist.all_reduce(flat, group=group, async_op=True)
     return _reduce_scatter(out, flat, group=group, async_op=True)
 
