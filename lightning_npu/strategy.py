@@ -379,6 +379,9 @@ class NPUHybridStrategy(DDPStrategy):
         self._wrap_optimizers()
         if self.parallel_config.uses_distributed_optimizer:
             self._grad_sync.bind(self._distributed_optimizers())
+            if self._pipeline is not None:  # each stage's slices reduce-scatter after its last backward
+                self._pipeline.grad_listeners = [
+                    opt.grad_buckets.params_ready for opt in self._distributed_optimizers()]
 
     def _wrap_optimizers(self) -> None:
         """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
@@ -447,7 +450,10 @@ class NPUHybridStrategy(DDPStrategy):
                 # the loss scale (HybridPrecision) and Lightning's 1/accumulate_grad_batches go into each
                 # micro-batch's loss, so the gradients come out as a non-pipelined backward would leave them
                 factor = float(getattr(plugin, "loss_scale", 1.0)) / max(1, trainer.accumulate_grad_batches)
-                loss = runner.train_step(batch, factor, sync_grads=self._grad_sync.enabled)
+                # overlap: with accumulate_grad_batches=1, zero_grad drops the held-aside gradients before backward
+                # applies this step's, so what the schedule produces is exactly what gets reduced
+                loss = runner.train_step(batch, factor, sync_grads=self._grad_sync.enabled,
+                                         overlap=self._grad_sync.enabled and trainer.accumulate_grad_batches == 1)
         hook = getattr(module, "on_pipeline_loss", None)
         if callable(hook):
             hook(kind, loss, batch, batch_idx)
