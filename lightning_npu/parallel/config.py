@@ -191,7 +191,8 @@ class ParallelConfig:
         if h is True and self.zero_stage != 0:
             raise ParallelConfigError(
                 f"`hierarchical_allreduce=True` applies to all-reduce buckets (zero_stage=0), but zero_stage="
-                f"{self.zero_stage} reduce-scatters gradients; use zero_stage=0, or leave hierarchical_allreduce='auto'."
+                f"{self.zero_stage} reduce-scatters gradients; use zero_stage=0, or leave "
+                "hierarchical_allreduce='auto'."
             )
         _check_backend(self.process_group_backend)
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
