@@ -80,3 +80,22 @@ def test_hierarchy_refuses_layouts_without_an_inter_node_stage():
 def test_hierarchical_true_on_one_node_fails_clearly():
     with pytest.raises(ParallelConfigError, match="more than one node"):
         hierarchical.setup_hierarchy(type("M", (), {"mesh": torch.zeros(1, 1, 1)})(), True, 0, 1, 0, "cpu", 25.0)
+
+
+def test_hccl_group_options_size_the_buffer_to_a_bucket(monkeypatch):
+    """On NPU the hierarchy's groups get torch_npu's per-group HCCL options (a stand-in module here: no NPU)."""
+    import types
+
+    from lightning_npu import device as dev
+
+    class Options:
+        hccl_config: dict = {}
+
+    fake = types.ModuleType("torch_npu")
+    fake._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(
+        ProcessGroupHCCL=types.SimpleNamespace(Options=Options)))
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    assert dev.group_options("npu", 25.0).hccl_config == {"hccl_buffer_size": 25}
+    assert dev.group_options("npu", 0.5).hccl_config == {"hccl_buffer_size": 1}
+    assert dev.group_options("npu", 7.2).hccl_config == {"hccl_buffer_size": 8}
+    assert dev.group_options("cpu", 25.0) is None and dev.group_options("cuda", 25.0) is None
