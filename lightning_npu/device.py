@@ -107,6 +107,21 @@ def comm_backend(device_type: str) -> str:
         ) from None
 
 
+def group_options(device_type: str, buffer_mb: float) -> Any:
+    """Process-group options for an extra communicator that carries one gradient bucket at a time (None: defaults).
+
+    On NPU, every HCCL communicator allocates its own buffers of ``HCCL_BUFFSIZE`` MB (default 200); torch_npu's
+    ``ProcessGroupHCCL.Options.hccl_config["hccl_buffer_size"]`` sizes them per group, so the hierarchy's groups get a
+    buffer of one bucket instead of another 200 MB each. Other devices keep their backend's defaults.
+    """
+    if device_type != NPU:
+        return None
+    torch_npu = import_torch_npu()
+    options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
+    options.hccl_config = {"hccl_buffer_size": max(1, int(-(-buffer_mb // 1)))}
+    return options
+
+
 def set_device(device: torch.device) -> None:
     if device.type != CPU:
         torch.get_device_module(device.type).set_device(device)

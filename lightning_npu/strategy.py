@@ -37,6 +37,7 @@ from lightning_npu.parallel.full_state import (
     load_full_state_dict,
 )
 from lightning_npu.parallel.grad_sync import GradientSync
+from lightning_npu.parallel.hierarchical import setup_hierarchy
 from lightning_npu.parallel.mesh import build_mesh
 from lightning_npu.parallel.optimizer import (
     MixedPrecisionOptimizer,
@@ -160,6 +161,7 @@ class NPUHybridStrategy(DDPStrategy):
             static_graph=static_graph,
         )
         self._device_mesh: Optional[DeviceMesh] = None
+        self.hierarchy: Any = None  # parallel.hierarchical.HierarchicalAllReduce of this rank's dp group, if any
         self.fusion_report: Any = None
         self.recompute_report: Any = None  # lightning_npu.parallel.recompute.RecomputeReport (activation_checkpointing)
         self._auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
@@ -202,6 +204,10 @@ class NPUHybridStrategy(DDPStrategy):
         # fit -> validate -> test reuse one mesh: building it again would create new process groups.
         if self._device_mesh is None or tuple(self._device_mesh.mesh.shape) != cfg.mesh_shape:
             self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
+            # the intra/inter-node sub-groups of dp, before any model exists (every rank, same order)
+            self.hierarchy = setup_hierarchy(
+                self._device_mesh, cfg.hierarchical_allreduce, cfg.zero_stage, self.num_nodes,
+                self.cluster_environment.node_rank(), self.root_device.type, cfg.bucket_size_mb)
 
     def setup_environment(self) -> None:
         dev.configure_allocator(self.root_device.type)  # before the process's first device allocation
@@ -374,6 +380,9 @@ class NPUHybridStrategy(DDPStrategy):
         self._wrap_optimizers()
         if self.parallel_config.uses_distributed_optimizer:
             self._grad_sync.bind(self._distributed_optimizers())
+            if self._pipeline is not None:  # each stage's slices reduce-scatter after its last backward
+                self._pipeline.grad_listeners = [
+                    opt.grad_buckets.params_ready for opt in self._distributed_optimizers()]
 
     def _wrap_optimizers(self) -> None:
         """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
@@ -442,7 +451,10 @@ class NPUHybridStrategy(DDPStrategy):
                 # the loss scale (HybridPrecision) and Lightning's 1/accumulate_grad_batches go into each
                 # micro-batch's loss, so the gradients come out as a non-pipelined backward would leave them
                 factor = float(getattr(plugin, "loss_scale", 1.0)) / max(1, trainer.accumulate_grad_batches)
-                loss = runner.train_step(batch, factor, sync_grads=self._grad_sync.enabled)
+                # overlap: with accumulate_grad_batches=1, zero_grad drops the held-aside gradients before backward
+                # applies this step's, so what the schedule produces is exactly what gets reduced
+                loss = runner.train_step(batch, factor, sync_grads=self._grad_sync.enabled,
+                                         overlap=self._grad_sync.enabled and trainer.accumulate_grad_batches == 1)
         hook = getattr(module, "on_pipeline_loss", None)
         if callable(hook):
             hook(kind, loss, batch, batch_idx)

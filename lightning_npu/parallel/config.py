@@ -195,9 +195,17 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive, finite number of MiB, e.g. 25.0."
             )
-        if self.hierarchical_allreduce not in HIERARCHICAL:
+        h = self.hierarchical_allreduce
+        if not (isinstance(h, bool) or (isinstance(h, str) and h == "auto")):  # 1 == True: compare types too
             raise ParallelConfigError(
-                f"`hierarchical_allreduce={self.hierarchical_allreduce!r}` must be 'auto', True or False."
+                f"`hierarchical_allreduce={h!r}` must be 'auto' (more than one node and buckets >= 8 MiB), True "
+                "(always) or False (never)."
+            )
+        if h is True and self.zero_stage != 0:
+            raise ParallelConfigError(
+                f"`hierarchical_allreduce=True` applies to all-reduce buckets (zero_stage=0), but zero_stage="
+                f"{self.zero_stage} reduce-scatters gradients; use zero_stage=0, or leave "
+                "hierarchical_allreduce='auto'."
             )
         _check_backend(self.process_group_backend)
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
@@ -240,7 +248,6 @@ class ParallelConfig:
         """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
         pending = {
             "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
-            "hierarchical_allreduce": (self.hierarchical_allreduce is True, "hierarchical all-reduce"),
         }
         for name, (asked, feature) in pending.items():
             if asked:

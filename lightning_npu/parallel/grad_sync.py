@@ -10,10 +10,11 @@ layout           who launches the bucket reductions            `finish()`
 ===============  ============================================  ===============================================
 zero 0, pp = 1   DDP's reducer (C++ buckets overlapped with    nothing left: DDP waited inside backward
                  backward), its comm hook calls `reduce_bucket`
-zero 0, pp > 1   `GradientBuckets` (all-reduce), after the     launch every bucket, wait, average into `.grad`
-                 schedule's backward
+zero 0, pp > 1   `GradientBuckets` (all-reduce), from each     launch the rest, wait, average into `.grad`
+                 stage's last backward in the schedule
 zero 1           `GradientBuckets` (reduce-scatter), from      launch the rest, wait, average; the optimizer
-                 post-accumulate-grad hooks (pp = 1)           steps the reduced slices
+                 post-accumulate-grad hooks (pp = 1), or each  steps the reduced slices
+                 stage's last backward (pp > 1)
 zero 2 / 3       FSDP2 (reduce-scatter per unit, fp32), its    nothing left
                  custom reduce-scatter calls `reduce_bucket`
 ===============  ============================================  ===============================================
@@ -31,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_npu.parallel import hierarchical
 
 
 def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
@@ -52,6 +55,9 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
     the r-th of ``world`` equal chunks) into `out`. The caller waits and divides by the dp size.
     """
     if out is None:
+        hierarchy = hierarchical.for_group(group)  # intra-node, inter-node, intra-node (hierarchical_allreduce)
+        if hierarchy is not None and hierarchy.applies(flat):
+            return hierarchy.all_reduce(flat)
         return dist.all_reduce(flat, group=group, async_op=True)
     return _reduce_scatter(out, flat, group=group, async_op=True)
 
@@ -134,6 +140,16 @@ class GradientBuckets:
         if bucket.ready == len(bucket.params):
             self._launch_ready()
 
+    def params_ready(self, params: list[torch.Tensor]) -> None:
+        """`params`' gradients are final (a pipeline stage's last backward): launch the buckets this completes."""
+        if not self.enabled:
+            return
+        for p in params:
+            entry = self.slice_of.get(id(p))
+            if entry is not None:
+                entry[0].ready += 1
+        self._launch_ready()
+
     def _launch_ready(self) -> None:
         # buckets launch in one fixed order on every rank (collectives must match), each once all earlier ones have
         for bucket in self.buckets:
@@ -175,7 +191,8 @@ class GradientBuckets:
             bucket.out.div_(self.dp)
             if self.shard:
                 if bucket.out is not bucket.grad:
-                    bucket.grad.add_(bucket.out)
+                    # launched inside a pipeline schedule, before Lightning's zero_grad cleared `pending`: overwrite
+                    bucket.grad.add_(bucket.out) if bucket.pending else bucket.grad.copy_(bucket.out)
                 bucket.pending = True
             else:
                 for s, had in zip(bucket.slices, bucket.had_grad):

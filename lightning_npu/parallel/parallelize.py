@@ -162,7 +162,8 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
         if cfg.resolved_dp == 1:
             return model, gs.GradientSync()
         buckets = gs.GradientBuckets(pipeline.stage_parameters(), dp_mesh, cfg.bucket_size_mb, shard=False,
-                                     overlap=False)  # the schedule runs backward per micro-batch: reduce after it
+                                     overlap=False)  # the schedule runs backward per micro-batch: not per grad
+        pipeline.grad_listeners = [buckets.params_ready]  # but per stage, after its last micro-batch backward
         return model, gs.BucketedGradientSync(buckets)
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
     if tp_names:

@@ -388,6 +388,9 @@ def _stage_class() -> type:
     communicate on each of them. The runner's ``sync_grads`` (False inside the strategy's
     `block_backward_sync`) decides instead. (No gradient scaling to skip: the runner's schedules are built
     with ``scale_grads=False``.)
+
+    After a stage's last micro-batch backward its gradients are final: `PipelineRunner.stage_gradients_ready` lets
+    ZeRO 0/1's dp buckets start reducing them while the schedule runs the other stages' backwards.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
@@ -398,6 +401,18 @@ def _stage_class() -> type:
         def __init__(self, *args: Any, runner: "PipelineRunner", **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._runner = runner
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> None:
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if last_backward and full_backward:
+                self._runner.stage_gradients_ready(self.submod)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if last_backward:
+                self._runner.stage_gradients_ready(self.submod)
 
         def perform_reduce_grad(self, grad_scale_factor: int) -> None:
             if self._runner.sync_grads or not isinstance(self.submod, FSDPModule):
@@ -436,6 +451,9 @@ class PipelineRunner:
         self.fully_sharded = False
         self.sync_grads = True
         self._sharded_params: Optional[list[torch.Tensor]] = None
+        # ZeRO 0/1: called with a stage's parameters once its last backward is done (`GradientBuckets.params_ready`)
+        self.grad_listeners: list[Callable[[list[torch.Tensor]], None]] = []
+        self._overlap = False
 
     # -- split ------------------------------------------------------------------------------------
     def _split(self) -> list[StageModule]:
@@ -596,15 +614,28 @@ class PipelineRunner:
         leaves = [x] if isinstance(x, torch.Tensor) else list(x.values() if isinstance(x, dict) else x)
         return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
 
-    def train_step(self, batch: Any, loss_factor: float, sync_grads: bool = True) -> torch.Tensor:
+    def stage_gradients_ready(self, stage: nn.Module) -> None:
+        """A stage's last micro-batch backward is done: its dp reduction may start (only where `train_step` was
+        told that this step's fresh gradients are exactly what gets reduced)."""
+        if self._overlap:
+            params = list(stage.parameters())
+            for listener in self.grad_listeners:
+                listener(params)
+
+    def train_step(self, batch: Any, loss_factor: float, sync_grads: bool = True,
+                   overlap: bool = False) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean loss (unscaled) on every pp rank.
 
         The step's gradients are held aside (`.grad` is left as it was) until `apply_gradients()`: Lightning
         zeroes gradients *between* `training_step` and `backward`, and the strategy's `backward` applies them.
         ``sync_grads=False`` (an accumulating micro-step): under ZeRO 2/3 no reduce-scatter; FSDP keeps the
         unsharded gradients and no sharded gradient comes out of this step.
+        ``overlap`` (ZeRO 0/1; the caller's promise that the gradients held aside are dropped before they are
+        applied, i.e. no accumulated gradient is added to this step's): each stage's dp bucket reductions start
+        right after its last micro-batch backward, inside the schedule, instead of after it.
         """
         self.sync_grads = sync_grads
+        self._overlap = overlap and sync_grads
         params = self.stage_parameters()
         saved = [p.grad for p in params]
         for p in params:
@@ -612,6 +643,7 @@ class PipelineRunner:
         try:
             loss = self._train_step(batch, loss_factor)
         finally:
+            self._overlap = False
             self._pending_grads = [p.grad for p in params]
             for p, g in zip(params, saved):
                 p.grad = g

@@ -1,0 +1,56 @@
+"""pp=2 x dp=2 under ZeRO 0/1: the dp bucket reductions launch inside the schedule (after each stage's last backward),
+with the same results as reducing after it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+from examples.gpt.model import GPTModule
+from lightning_npu import NPUHybridStrategy
+from tests._gpt_workers import LossRecorder, parity_trainer
+from tests._pp_workers import PP_GPT
+
+
+class _Overlap(L.Callback):
+    """Records how many buckets were in flight when the schedule returned, and the wall time of each step; with
+    ``enabled=False`` it removes the runner's listeners (the reduction then starts after the schedule, as before)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.in_flight: list[int] = []
+        self.times: list[float] = []
+        self._t = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        runner = trainer.strategy._pipeline
+        if not self.enabled:
+            runner.grad_listeners = []
+        self.buckets = [fn.__self__ for fn in runner.grad_listeners]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t = time.perf_counter()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # after training_step ran the schedule
+        self.in_flight.append(sum(b.launched for gb in self.buckets for b in gb.buckets))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append(time.perf_counter() - self._t)
+
+
+def train_overlap(runs: list[dict[str, Any]], steps: int, model_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for run in runs:
+        L.seed_everything(0, verbose=False)
+        strategy = NPUHybridStrategy(pipeline_parallel_size=2, micro_batches=2, **run["strategy"])
+        model = GPTModule(**{**PP_GPT, **model_kwargs})
+        rec, overlap = LossRecorder(), _Overlap(run["overlap"])
+        trainer, data = parity_trainer(strategy, model, 4, 8, steps, [rec, overlap], num_sanity_val_steps=0,
+                                       **run.get("trainer", {}))
+        trainer.fit(model, datamodule=data)
+        out.append({"logged": rec.logged, "in_flight": overlap.in_flight, "times": overlap.times,
+                    "state": {k: v.detach().clone() for k, v in model.state_dict().items()}})
+    return out
