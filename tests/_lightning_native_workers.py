@@ -4,7 +4,7 @@ accumulation), run under ``npu_hybrid`` in real processes; `run_group` fits seve
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import lightning as L
 import torch
@@ -128,8 +128,54 @@ def unused_without_flag() -> str:
     return ""
 
 
-def run_group(layouts: list[tuple[str, dict[str, Any], str, bool]], unused_check: bool) -> dict[str, Any]:
+class Scheduled(BoringModel):
+    """BoringModel with AdamW over two param groups and a step-interval StepLR (issue 14's LearningRateMonitor)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW([{"params": [self.layer.weight]}, {"params": [self.layer.bias], "lr": 0.05}], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def fit_lr_monitor(strategy: Any, precision: str = "32-true", devices: int = 2, steps: int = 4,
+                   root: Optional[str] = None) -> dict[str, Any]:
+    """Fit `Scheduled` with Lightning's LearningRateMonitor and a CSVLogger (under `root`); what a user sees."""
+    import tempfile
+    import warnings
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    L.seed_everything(0, verbose=False)
+    model, monitor = Scheduled(), LearningRateMonitor(logging_interval="step")
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=steps,
+                        limit_val_batches=0,
+                        callbacks=[monitor], logger=CSVLogger(root or tempfile.mkdtemp()), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    config = trainer.lr_scheduler_configs[0]
+    shown = unwrap_optimizer(trainer.optimizers[0])
+    user = getattr(shown, "optimizer", shown)  # the user's AdamW behind npu_hybrid's wrapper
+    return {
+        "lrs": {k: [float(v) for v in vals] for k, vals in monitor.lrs.items()},
+        "state": {k: v.detach().clone() for k, v in lightning_npu.full_state_dict(model).items()}
+        if isinstance(strategy, NPUHybridStrategy) else {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "scheduler_on_user_optimizer": config.scheduler.optimizer is user and type(user) is torch.optim.AdamW,
+        "groups_shared": user.param_groups is shown.param_groups,
+        "wrapper": type(shown).__name__,
+        "order_warnings": [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)],
+        "log_dir": trainer.logger.log_dir,
+    }
+
+
+def run_group(layouts: list[tuple[str, dict[str, Any], str, bool]], unused_check: bool,
+              lr_layouts: Sequence[tuple[str, Any, str]] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {name: fit(strategy, precision, unused) for name, strategy, precision, unused in layouts}
     if unused_check:
         out["unused_without_flag"] = unused_without_flag()
+    for name, strategy, precision in lr_layouts:
+        strategy = NPUHybridStrategy(**strategy) if isinstance(strategy, dict) else strategy
+        out[f"lr-{name}"] = fit_lr_monitor(strategy, precision)
     return out

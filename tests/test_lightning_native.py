@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
-from tests._lightning_native_workers import STEPS, run_group
+from tests._lightning_native_workers import STEPS, fit_lr_monitor, run_group
 
 RTOL, ATOL = 1e-5, 1e-6
 DP_LAYOUTS = [
@@ -27,6 +27,10 @@ TP_LAYOUTS = [
     ("tp2-zero3", {"tensor_parallel_size": 2, "zero_stage": 3, "tp_plan": TP_PLAN}, "32-true", True),
 ]
 USED = ["layer.0.weight", "layer.0.bias", "layer.2.weight", "layer.2.bias"]
+# LearningRateMonitor + step-interval StepLR (issue 14), fitted in the same launch as DP_LAYOUTS
+LR_LAYOUTS = [("ddp", "ddp", "32-true"), ("zero1", {"zero_stage": 1}, "32-true"), ("zero3", {"zero_stage": 3}, "32-true"),
+              ("zero1-bf16-mixed", {"zero_stage": 1}, "bf16-mixed")]
+LR_EXPECTED = {"lr-AdamW/pg1": [0.1, 0.05, 0.025, 0.0125], "lr-AdamW/pg2": [0.05, 0.025, 0.0125, 0.00625]}
 
 
 def close(a, b, msg=""):
@@ -55,7 +59,7 @@ def check_fp32(name: str, ranks: list[dict], synced_across_ranks: bool) -> None:
 
 @pytest.mark.timeout(240)
 def test_dp_zero_stages():
-    ranks = spawn(run_group, 2, DP_LAYOUTS, True)
+    ranks = spawn(run_group, 2, DP_LAYOUTS, True, LR_LAYOUTS)
     for name in ("zero0", "zero1", "zero2", "zero3"):
         check_fp32(name, ranks, synced_across_ranks=True)
     for rank in ranks:
@@ -79,6 +83,35 @@ def test_dp_zero_stages():
             assert seen["logged"][0] > 0
         # zero 0 is DDP: without the flag, Lightning's message names it
         assert "find_unused_parameters" in rank["unused_without_flag"]
+        check_lr_monitor(rank)
+
+
+def check_lr_monitor(rank: dict) -> None:
+    """Exactly Lightning's keys and values (one ``lr-AdamW`` per param group, decayed as scheduled); the schedule is
+    the one stepped (parameters equal "ddp"'s); no scheduler-order warning; the scheduler holds the user's AdamW,
+    whose param_groups are the Trainer's optimizer's."""
+    ddp = rank["lr-ddp"]
+    assert ddp["lrs"] == LR_EXPECTED
+    for name, *_ in LR_LAYOUTS[1:]:
+        got = rank[f"lr-{name}"]
+        assert got["lrs"] == ddp["lrs"], name
+        assert got["order_warnings"] == [] and got["scheduler_on_user_optimizer"] and got["groups_shared"], name
+        if "bf16" not in name:
+            for key, value in ddp["state"].items():
+                close(got["state"][key], value, f"{name} {key}")
+    assert rank["lr-zero1"]["wrapper"] == "DistributedOptimizer"
+
+
+def test_lr_monitor_one_process_matches_auto(tmp_path):
+    """One device: the same LearningRateMonitor keys and values as Lightning's "auto", in the CSV log too (parameter
+    parity is checked against "ddp" in test_dp_zero_stages: "auto" reads the data in another order)."""
+    got = {s: fit_lr_monitor(s, devices=1, root=str(tmp_path / s)) for s in ("auto", "npu_hybrid")}
+    assert got["auto"]["lrs"] == got["npu_hybrid"]["lrs"] == LR_EXPECTED
+    hybrid = got["npu_hybrid"]
+    assert hybrid["order_warnings"] == [] and hybrid["scheduler_on_user_optimizer"] and hybrid["groups_shared"]
+    header = {s: (tmp_path / s).joinpath(got[s]["log_dir"], "metrics.csv").read_text().splitlines()[0].split(",")
+              for s in got}
+    assert header["npu_hybrid"] == header["auto"] and {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= set(header["auto"])
 
 
 @pytest.mark.timeout(180)

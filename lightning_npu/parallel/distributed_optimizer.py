@@ -55,9 +55,9 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """Wraps the user's optimizer for ZeRO stage 1 (see the module docstring).
 
-    `param_groups` hold the DTensor slices with the user's hyper-parameters: LR schedulers, clipping and
-    checkpoints act on what is actually stepped. `state` is the inner optimizer's (plain tensors of this
-    rank's slices). The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
+    `param_groups` hold the DTensor slices with the user's hyper-parameters, and the user's optimizer (`optimizer`,
+    never stepped itself) shows these same groups: LR schedulers, clipping and checkpoints act on what is actually
+    stepped. `state` is that of `inner`, the user's optimizer class re-created over plain local views of the slices. The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
     (also after a pipeline schedule, without hooks) and clears `grad_buckets.enabled` while accumulating.
     """
 
@@ -136,9 +136,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         public = [{**h, "params": [self._shard_of[id(p)] for p in g["params"]]}
                   for h, g in zip(hparams, optimizer.param_groups)]
         self.model_params = params
-        # `state` is the inner optimizer's (keyed by the local views: plain tensors of this rank's slices)
-        MixedPrecisionOptimizer.__init__(self, self.inner, scaler=scaler, pp_group=pp_group)
-        self.param_groups = public
+        # the user's optimizer (`self.optimizer`, what LR schedulers and LearningRateMonitor hold) shows the public
+        # groups, so a scheduler's learning rate is the one stepped and is read back from the same dicts
+        optimizer.param_groups = public
+        MixedPrecisionOptimizer.__init__(self, optimizer, scaler=scaler, pp_group=pp_group)
+
+    def _share_state(self) -> None:
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.inner.state  # keyed by the local views: plain tensors of this rank's slices
+        self.defaults = self.optimizer.defaults
 
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:

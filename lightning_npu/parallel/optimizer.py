@@ -158,6 +158,10 @@ class MixedPrecisionOptimizer(Optimizer):
         if not found_inf:
             out = self._step_main_params(closure, **kwargs)
             self._copy_main_params_to_model_params()
+            # what torch's LR schedulers watch ("optimizer.step() before lr_scheduler.step()"): the user's optimizer,
+            # which they keep pointing at (ZeRO-1 steps another instance of its class)
+            self.optimizer._opt_called = True
+            self._opt_called = True
         if found_inf is not None:
             if self.scaler is not None:
                 self.scaler.update(found_inf)
@@ -167,8 +171,8 @@ class MixedPrecisionOptimizer(Optimizer):
             self._stats = None
         return out
 
-    # LR schedulers are re-pointed here; torch checks that their optimizer's `step` is wrapped to warn about a
-    # scheduler stepping first, an order Lightning's loop already guarantees
+    # a scheduler built on the wrapper itself: torch checks that its optimizer's `step` is wrapped to warn about a
+    # scheduler stepping first (`_opt_called`, set above), an order Lightning's loop already guarantees
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -300,19 +304,21 @@ class SkippableLRScheduler:
 
 
 def wrap_lr_schedulers(lr_scheduler_configs: Iterable[Any], wrappers: dict[int, MixedPrecisionOptimizer]) -> None:
-    """Point each scheduler at the wrapper of its optimizer (`wrappers`: id of the user's optimizer -> its wrapper);
-    wrap each step-interval one (not ReduceLROnPlateau) in a `SkippableLRScheduler` when that wrapper can skip."""
+    """Wrap each step-interval scheduler (not ReduceLROnPlateau) of a wrapper that can skip a step in a
+    `SkippableLRScheduler` (`wrappers`: id of the user's optimizer -> its wrapper).
+
+    The schedulers keep pointing at the user's optimizer, whose ``param_groups`` are the wrapper's (shared by
+    `MixedPrecisionOptimizer`, aliased to the stepped slices' groups by ZeRO-1's `DistributedOptimizer`): the learning
+    rates they write are the ones stepped, and Lightning's `LearningRateMonitor` names and reads the user's optimizer
+    exactly as under Lightning's own strategies (``lr-AdamW``, once).
+    """
     for config in lr_scheduler_configs:
         sched = config.scheduler
         inner = sched.scheduler if isinstance(sched, SkippableLRScheduler) else sched
-        owner = wrappers.get(id(inner.optimizer))
+        target = inner.optimizer
+        owner = target if isinstance(target, MixedPrecisionOptimizer) else wrappers.get(id(target))
         if owner is None:
             continue
-        if inner.optimizer is not owner:
-            inner.optimizer = owner
-            # the scheduler's "optimizer.step() before lr_scheduler.step()" check reads this flag, which only the
-            # optimizer it was built on sets
-            owner._opt_called = True
         step_interval = getattr(config, "interval", "step") == "step" and not getattr(config, "reduce_on_plateau", False)
         if owner.scaler is not None and step_interval and not isinstance(sched, SkippableLRScheduler):
             config.scheduler = SkippableLRScheduler(sched, owner)
