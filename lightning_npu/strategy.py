@@ -390,6 +390,7 @@ class NPUHybridStrategy(DDPStrategy):
                 wrappers[id(optimizer)] = DistributedOptimizer(
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
                     overlap=cfg.overlaps_gradient_reduction, scaler=scaler, pp_group=pp_group,
+                    compressor=self._grad_sync.compressor,
                 )
             else:
                 wrappers[id(optimizer)] = MixedPrecisionOptimizer(
