@@ -76,12 +76,14 @@ def run(zero_stage: int, compression: Any, steps: int, accumulate: int = 1, pp: 
     model = GPTModule(**{**SMALL_GPT, "warmup_steps": 3})
     losses, wire = Losses(), Wire()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_steps=steps,
-                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[losses], deterministic=True,
+                        limit_val_batches=0, logger=False, enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True,
+                        callbacks=[losses] + ([L.pytorch.callbacks.ModelCheckpoint(
+                            dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)] if ckpt_dir else []),
                         accumulate_grad_batches=accumulate)
     data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=8 // 2, shuffle=False)
     with wire.counting():
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     compressor = trainer.strategy._grad_sync.compressor
     return {"losses": losses.losses, "bytes": wire.bytes, "world": world,
             "calls": None if compressor is None else dict(compressor.steps)}

@@ -8,13 +8,25 @@ from lightning_npu.launch import spawn
 from tests._compression_workers import run_many
 
 STEPS, ACC = 4, 2
-MODES = [None, "bf16", {"mode": "topk", "ratio": 0.05}]
+MODES = [None, "bf16", {"mode": "topk", "ratio": 0.05}]  # the last one is TOPK_EF
 SCENARIOS = [dict(zero_stage=z, compression=c, steps=STEPS, accumulate=ACC) for z in (0, 1) for c in MODES]
 
 
+TOPK_EF = {"mode": "topk", "ratio": 0.05}
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return spawn(run_many, 2, SCENARIOS)[0]
+def runs(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    resume = [dict(zero_stage=1, compression=TOPK_EF, steps=2, accumulate=ACC, ckpt_dir=str(ckpt)),
+              dict(zero_stage=1, compression=TOPK_EF, steps=4, accumulate=ACC, ckpt_in=str(ckpt / "epoch=0-step=2.ckpt"))]
+    return spawn(run_many, 2, SCENARIOS + resume)[0]
+
+
+def test_resume_restores_compressor_state(runs):
+    uninterrupted, first, resumed = runs[5], runs[6], runs[7]
+    assert first["losses"] + resumed["losses"] == pytest.approx(uninterrupted["losses"], rel=1e-5)
+    assert resumed["calls"] == uninterrupted["calls"]  # the step counts (warm-up) carried over: 2 saved + 2 run
 
 
 @pytest.mark.parametrize("zero", [0, 1])
