@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -400,6 +402,7 @@ class NPUHybridStrategy(DDPStrategy):
                 wrappers[id(optimizer)] = DistributedOptimizer(
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
                     overlap=cfg.overlaps_gradient_reduction, scaler=scaler, pp_group=pp_group,
+                    compressor=self._grad_sync.compressor,
                 )
             else:
                 wrappers[id(optimizer)] = MixedPrecisionOptimizer(
@@ -506,6 +509,7 @@ class NPUHybridStrategy(DDPStrategy):
         request = ckpt.commit_request(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(ckpt.new_token())
+        checkpoint = self._with_compression_state(checkpoint)  # collective
         info = ckpt_format.checkpoint_metadata(self.parallel_config, self.world_size, self.lightning_module,
                                                self.optimizers, checkpoint, self.saves_single_file)  # collective
         if self.saves_single_file:
@@ -531,14 +535,39 @@ class NPUHybridStrategy(DDPStrategy):
         module = self.lightning_module
         if self._restored_from_file:
             with ckpt.refusing_unsafe(path):
-                return ckpt_format.restore_loader_state(super().load_checkpoint(path, weights_only=True))
+                loaded = ckpt_format.restore_loader_state(super().load_checkpoint(path, weights_only=True))
+            self._load_compression_state(loaded)
+            return loaded
         with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
-            return ckpt.load_directory(path, module, [unwrap_optimizer(o) for o in self.optimizers], module.strict_loading,
+            loaded = ckpt.load_directory(path, module, [unwrap_optimizer(o) for o in self.optimizers], module.strict_loading,
                                        pipelined=self._pipeline is not None)
+        self._load_compression_state(loaded)
+        return loaded
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._restored_from_file:  # (a directory was loaded whole by `load_checkpoint`)
             load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def _with_compression_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's compressor state (error-feedback residuals, PowerSGD factors differ per rank), gathered so
+        that the checkpoint holds the same entry on every rank (replicated, like the rest of its metadata)."""
+        compressor = self._grad_sync.compressor
+        if compressor is None or not dist.is_initialized():
+            return checkpoint
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, compressor.state_dict())
+        return {**checkpoint, "gradient_compression": {"world_size": dist.get_world_size(), "ranks": states}}
+
+    def _load_compression_state(self, checkpoint: Mapping[str, Any]) -> None:
+        compressor, saved = self._grad_sync.compressor, checkpoint.get("gradient_compression")
+        if compressor is None or not saved:
+            return
+        same_world = saved.get("world_size") == self.world_size
+        state = saved["ranks"][self.global_rank] if same_world else {**saved["ranks"][0], "world": None}
+        if not compressor.load_state_dict(state, world=compressor.world or self.parallel_config.resolved_dp):
+            rank_zero_warn("Gradient compression state (error-feedback residuals, PowerSGD factors) was saved under "
+                           f"another world size ({saved.get('world_size')} vs {self.world_size}); it is reset, "
+                           "the warm-up step counts carry over.")
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._restored_from_file:

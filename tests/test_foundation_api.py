@@ -73,8 +73,30 @@ def test_layout_that_does_not_fit_the_world_fails_at_trainer_construction():
 
 
 def test_features_not_landed_yet_refuse_loudly():
-    with pytest.raises(NotImplementedYetError, match="gradient_compression='powersgd'.*not implemented yet"):
-        NPUHybridStrategy(gradient_compression="powersgd")
+    with pytest.raises(NotImplementedYetError, match="per-module globs are not implemented yet"):
+        NPUHybridStrategy(gradient_compression={"*.mlp.*": "topk"})
+
+
+@pytest.mark.parametrize(
+    "value, zero, match",
+    [
+        ({"mode": "zip"}, 0, r"mode 'zip' is unknown"),
+        ({"mode": "topk", "ratio": 0}, 0, r"ratio=0 must be in \(0, 1\]"),
+        ({"mode": "topk", "ratio": 1.5}, 0, r"ratio=1.5 must be in \(0, 1\]"),
+        ({"mode": "int8", "warmup_steps": -1}, 0, r"warmup_steps=-1 must be an int >= 0"),
+        ({"mode": "powersgd", "rank": 0}, 0, r"rank=0 must be a positive int"),
+        ("topk", 2, r"`zero_stage=2`.*use zero_stage=0 or 1"),
+        ("bf16", 3, r"`zero_stage=3`.*use zero_stage=0 or 1"),
+    ],
+)
+def test_bad_gradient_compression_fails_at_construction(value, zero, match):
+    with pytest.raises(ParallelConfigError, match=match):
+        NPUHybridStrategy(gradient_compression=value, zero_stage=zero)
+
+
+def test_gradient_compression_is_accepted():
+    for value in ("powersgd", {"mode": "topk", "ratio": 0.1, "warmup_steps": 100}):
+        assert NPUHybridStrategy(gradient_compression=value, zero_stage=1).parallel_config.make_compressor() is not None
 
 
 def test_valid_arguments_are_accepted():

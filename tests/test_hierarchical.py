@@ -54,6 +54,9 @@ def test_hierarchical_allreduce_bad_values():
     with pytest.raises(ParallelConfigError, match="zero_stage=0"):
         NPUHybridStrategy(zero_stage=1, hierarchical_allreduce=True)
     ParallelConfig(zero_stage=0, hierarchical_allreduce=True)  # accepted; the node count is checked at setup
+    with pytest.raises(ParallelConfigError, match="hierarchical_allreduce=True.*choose one"):
+        ParallelConfig(zero_stage=0, hierarchical_allreduce=True, gradient_compression="int8")
+    ParallelConfig(zero_stage=0, gradient_compression="int8")  # "auto" leaves compressed buckets flat
 
 
 class _Mesh:

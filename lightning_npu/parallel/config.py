@@ -113,7 +113,7 @@ class ParallelConfig:
     activation_checkpointing: Union[None, int, str] = None
     memory_budget_gb: Optional[float] = None
     fuse_ops: Union[bool, str, list[str]] = False
-    gradient_compression: Optional[str] = None
+    gradient_compression: Union[None, str, dict] = None
     bucket_size_mb: float = 25.0
     hierarchical_allreduce: Union[str, bool] = "auto"
     process_group_backend: Optional[str] = None
@@ -184,11 +184,7 @@ class ParallelConfig:
             raise ParallelConfigError(
                 "`activation_checkpointing='auto'` measures one ordinary forward, which a pipeline schedule does not "
                 f"run (pipeline_parallel_size={self.pipeline_parallel_size}); choose an int N, 'full' or 'selective'.")
-        if self.gradient_compression not in GRADIENT_COMPRESSIONS:
-            raise ParallelConfigError(
-                f"`gradient_compression={self.gradient_compression!r}` is unknown; choose one of "
-                f"{list(GRADIENT_COMPRESSIONS)}."
-            )
+        self._check_compression()
         if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (
             math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0
         ):
@@ -212,7 +208,6 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
             )
-        self._refuse_unimplemented()
 
     @staticmethod
     def check_strategy_options(
@@ -244,17 +239,40 @@ class ParallelConfig:
                 "directories; set `save_distributed_checkpoint=None` (or True), or `async_save=False` for one file."
             )
 
-    def _refuse_unimplemented(self) -> None:
-        """Arguments of the contract whose features have not landed yet fail loudly, never silently."""
-        pending = {
-            "gradient_compression": (self.gradient_compression is not None, "gradient compression"),
-        }
-        for name, (asked, feature) in pending.items():
-            if asked:
-                raise NotImplementedYetError(
-                    f"`{name}={getattr(self, name)!r}`: {feature} is not implemented yet in lightning-npu; "
-                    f"leave `{name}` at its default for now."
-                )
+    def _check_compression(self) -> None:
+        from lightning_npu.parallel.compression import CompressionConfigError, parse_compression
+
+        value = self.gradient_compression
+        if isinstance(value, str) and value not in GRADIENT_COMPRESSIONS:
+            raise ParallelConfigError(
+                f"`gradient_compression={value!r}` is unknown; choose one of {list(GRADIENT_COMPRESSIONS)}.")
+        try:
+            parsed = parse_compression(value)
+        except (CompressionConfigError, TypeError) as err:
+            raise ParallelConfigError(str(err)) from None
+        if parsed is None:
+            return
+        if self.zero_stage in (2, 3):
+            raise ParallelConfigError(
+                f"`gradient_compression={self.gradient_compression!r}` with `zero_stage={self.zero_stage}`: FSDP2's "
+                "reduce-scatter runs per unit inside backward and is not compressed; use zero_stage=0 or 1, or "
+                "gradient_compression=None.")
+        if self.hierarchical_allreduce is True:
+            raise ParallelConfigError(
+                f"`gradient_compression={self.gradient_compression!r}` with `hierarchical_allreduce=True`: a compressed "
+                "bucket is exchanged flat over the dp group; choose one (hierarchical_allreduce='auto' leaves "
+                "compressed buckets flat).")
+        if isinstance(parsed, dict):
+            raise NotImplementedYetError(
+                f"`gradient_compression={self.gradient_compression!r}`: per-module globs are not implemented yet; "
+                "give one mode (or one options dict) for the whole model.")
+
+    def make_compressor(self) -> Any:
+        """The `compression.Compressor` every dp bucket reduction goes through, or None (uncompressed)."""
+        from lightning_npu.parallel.compression import Compressor, parse_compression
+
+        parsed = parse_compression(self.gradient_compression)
+        return None if parsed is None else Compressor(parsed)
 
     # ---- checks that need the world size --------------------------------------------------
     def resolve(self, world_size: int) -> "ParallelConfig":

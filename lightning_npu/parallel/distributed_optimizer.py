@@ -70,6 +70,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         overlap: bool = True,
         scaler: Optional[Any] = None,
         pp_group: Optional[Any] = None,
+        compressor: Optional[Any] = None,
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise ValueError(f"The optimizer is already a {type(optimizer).__name__}.")
@@ -100,7 +101,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             )
         if len({id(p) for p in params}) != len(params):
             raise ValueError("A parameter appears in more than one optimizer param group.")
-        self.grad_buckets = GradientBuckets(params, self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap)
+        self.grad_buckets = GradientBuckets(params, self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap,
+                                            compressor=compressor)
         self.buckets = self.grad_buckets.buckets
         # this rank's fp32 master rows of each bucket (the slice is the master copy, whatever the parameters' dtype)
         self.masters = [torch.zeros_like(b.grad) for b in self.buckets]

@@ -152,22 +152,23 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
             model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
         return model, gs.FullyShardedGradientSync(model if pipeline is None else None)
+    compressor = cfg.make_compressor()
     if cfg.uses_distributed_optimizer:
         # the DistributedOptimizer's buckets reduce-scatter the gradients (bound in setup_optimizers)
         if pipeline is None:
             data_parallel.broadcast_module_states(model, mesh)  # start from dp-rank 0's weights, as DDP would
             model._ddp_params_and_buffers_to_ignore = tp_names
-        return model, gs.DistributedOptimizerSync()
+        return model, gs.DistributedOptimizerSync(compressor)
     if pipeline is not None:
         if cfg.resolved_dp == 1:
             return model, gs.GradientSync()
         buckets = gs.GradientBuckets(pipeline.stage_parameters(), dp_mesh, cfg.bucket_size_mb, shard=False,
-                                     overlap=False)  # the schedule runs backward per micro-batch: not per grad
-        pipeline.grad_listeners = [buckets.params_ready]  # but per stage, after its last micro-batch backward
+                                     overlap=False, compressor=compressor)  # the schedule runs backward per micro-batch
+        pipeline.grad_listeners = [buckets.params_ready]  # so reduce per stage, after its last micro-batch backward
         return model, gs.BucketedGradientSync(buckets)
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
     if tp_names:
         # DDP has taken every parameter (tp shards are averaged over dp too); from now on Lightning's whole-world
         # state broadcast (before validate/test) must skip the tp shards, which differ between tp ranks by design
         model._ddp_params_and_buffers_to_ignore = tp_names
-    return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True))
+    return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor)
