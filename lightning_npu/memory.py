@@ -114,6 +114,10 @@ class SavedActivations:
                 self.current += nbytes
                 self.peak = max(self.peak, self.current)
             entry[1] += 1
+            # autograd holds what the hook returns, so its release is the packed object's death. Returning `t`
+            # itself would tie a saved *output* (SDPA's, say) to its own grad_fn in a cycle only backward breaks:
+            # a graph dropped without backward (the pipeline's shape inference on stage 0) would never be freed.
+            t = t.detach()
             weakref.finalize(t, self._release, key)
         return t
 

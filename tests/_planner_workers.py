@@ -4,10 +4,6 @@
 masters, ZeRO-1's slices included) after the step, gradients before it (ZeRO-1's reduced slices included), and the
 peak of the activations autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`). Two steps run and
 the second one's figures are kept: on the first, the pipeline's shape inference runs an extra forward.
-
-The activations compared are the step's own: the monitor's peak minus what it still counted when the step began.
-On the first pipeline stage about a micro-batch's worth of saved tensors from earlier steps stays alive (their
-tensor objects outlive autograd's use of them), which the monitor keeps counting; both figures are returned.
 """
 
 from __future__ import annotations
@@ -25,28 +21,16 @@ MODEL = dict(vocab_size=256, n_layer=4, n_head=4, n_embd=64, block_size=64, bias
 PER_DP_BATCH = 4
 
 
-class CarriedOver(L.Callback):
-    """Saved-activation bytes the monitor still counts when a step begins (put before the monitor)."""
-
-    def __init__(self, monitor: MemoryMonitor) -> None:
-        self.monitor, self.bytes = monitor, 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        saved = self.monitor._saved
-        self.bytes = saved.current if saved is not None else 0
-
-
 def measure(layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Train two steps of the GPT under each layout (in the same 4 processes); each rank's bytes and pp stage."""
     results = []
     for kwargs in layouts:
         L.seed_everything(0, verbose=False)
         monitor = MemoryMonitor()
-        carried = CarriedOver(monitor)
         trainer = L.Trainer(
             accelerator="cpu", devices=4, strategy=NPUHybridStrategy(**kwargs), max_steps=2, precision="32-true",
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, callbacks=[carried, monitor],
+            limit_val_batches=0, callbacks=[monitor],
         )
         trainer.fit(GPTModule(**MODEL), datamodule=TextDataModule(block_size=MODEL["block_size"],
                                                                   batch_size=PER_DP_BATCH, shuffle=False))
@@ -55,6 +39,5 @@ def measure(layouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         last = monitor.last
         results.append({"parameters": last["parameters"], "gradients": last["gradients"],
                         "optimizer": last["optimizer_state"],
-                        "activations": last["activations_peak"] - carried.bytes,
-                        "activations_monitor": last["activations_peak"], "stage": stage})
+                        "activations": last["activations_peak"], "stage": stage})
     return results

@@ -47,6 +47,28 @@ def test_full_recompute_keeps_only_block_inputs():
     assert abs(saved[2] / (saved[None] - N_LAYER // 2 * inside) - 1) < 0.10
 
 
+def test_meter_frees_a_graph_dropped_without_backward():
+    """A saved output (SDPA saves its own) must not tie the graph to the meter: dropped, it is freed and uncounted.
+
+    The pipeline's shape inference drops stage 0's first forward this way; the meter once kept it alive for the run.
+    """
+    import gc
+    import weakref
+
+    q = torch.randn(2, 4, 16, 8, requires_grad=True) * 1.0
+    with SavedActivations() as meter:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        alive = weakref.ref(out)
+        assert meter.current > 0
+        del out
+        gc.collect()
+        assert alive() is None and meter.current == 0
+        grad = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum(), q)
+        assert meter.current == 0 and meter.peak > 0  # backward released what it used
+    want = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum(), q)
+    assert torch.equal(grad[0], want[0])  # and it got the tensors the meter packed
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="activations"):
         MemoryMonitor(activations="yes")
