@@ -342,9 +342,8 @@ def _reduce_segments(flat: torch.Tensor, params: list[torch.Tensor], group: Any,
             work = reduce_bucket(part, group, compressor=compressor, key=f"{key}.{name}", spec=spec)
         pending.append((work, part, ranges))
 
-    def unpack(_: Any) -> torch.Tensor:
-        for work, part, ranges in pending:
-            work.wait()
+    def unpack(_: Any) -> torch.Tensor:  # every segment's future is done (no Work.wait() in a callback: it hangs)
+        for _work, part, ranges in pending:
             if len(ranges) > 1:
                 offset = 0
                 for a, b in ranges:
