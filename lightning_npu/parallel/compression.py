@@ -16,6 +16,10 @@ nothing is lost, only delayed.
 
 Compressed modes are synchronous: the bucket's exchange runs when it is launched, so they do not overlap the rest of
 backward as the plain all-reduce does.
+
+Per-module globs (``{glob: mode or options or None}``): `Compressor.resolve` gives each parameter the spec of the
+first glob that matches its module name or its full name in the LightningModule (no glob: uncompressed); callers
+pass each bucket's (or each glob segment's) spec to `Compressor.sum`.
 """
 
 from __future__ import annotations
