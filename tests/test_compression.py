@@ -175,7 +175,7 @@ def test_resolve_and_segments():
     params = [model.vision.bias, model.text[1].weight, model.text[0].bias, model.vision.weight, model.text[0].weight]
     segments = compressor.segments(params)
     assert [(g, None if s is None else s.mode, r) for g, s, r in segments] == [
-        ("g0", None, [(0, 2), (26, 34)]), ("g1", "topk", [(2, 18)]), ("g2", "int8", [(18, 26), (34, 66)])]
+        ("none", None, [(0, 2), (26, 34)]), ("g1", "topk", [(2, 18)]), ("g2", "int8", [(18, 26), (34, 66)])]
     assert Compressor(CompressionSpec("int8")).resolve(model.named_parameters()) == set()  # one mode: nothing to do
 
 

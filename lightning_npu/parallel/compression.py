@@ -140,7 +140,7 @@ class Compressor:
     steps: dict[str, int] = field(default_factory=dict)
     world: Optional[int] = None  # the dp size the state was built for
     _specs: dict[int, Optional[CompressionSpec]] = field(default_factory=dict)
-    _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>", the i-th glob matched it
+    _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>": the i-th glob compresses it
 
     @property
     def per_module(self) -> bool:
@@ -158,7 +158,8 @@ class Compressor:
             self._specs[id(p)] = None if glob is None else self.spec[glob]
             if glob is not None:
                 matched.add(glob)
-                self._globs[id(p)] = f"g{list(self.spec).index(glob)}"
+                if self.spec[glob] is not None:  # (parameters left uncompressed share one group, "none")
+                    self._globs[id(p)] = f"g{list(self.spec).index(glob)}"
         return matched
 
     def spec_of(self, param: torch.Tensor) -> Optional[CompressionSpec]:
@@ -168,7 +169,7 @@ class Compressor:
         return self._specs.get(id(param))
 
     def group_of(self, param: torch.Tensor) -> str:
-        """A stable name for `param`'s glob (``g<position in the dict>``; ``"none"`` where no glob matches)."""
+        """A stable name for `param`'s glob (``g<position in the dict>``; ``"none"`` where it is not compressed)."""
         return self._globs.get(id(param), "none")
 
     def segments(self, params: list[torch.Tensor]) -> list[tuple[str, Optional[CompressionSpec], list[tuple[int, int]]]]:

@@ -331,8 +331,8 @@ def _reduce_segments(flat: torch.Tensor, params: list[torch.Tensor], group: Any,
                      key: str) -> torch.futures.Future:
     """Per-module globs in a DDP bucket (whose parameters' gradients lie back to back in `flat`): the gradients of
     each glob's parameters are one segment, compressed with its spec under the key ``<key>.g<i>`` (i: the glob's
-    position in the dict, stable across DDP's bucket rebuild); the parameters no glob matched are one plain
-    all-reduce. A segment whose parameters are not contiguous in the bucket is reduced from a packed copy."""
+    position in the dict); the parameters no glob compresses are one plain all-reduce. A segment whose parameters
+    are not contiguous in the bucket is reduced from a packed copy."""
     pending: list[tuple[Any, torch.Tensor, list[tuple[int, int]]]] = []
     for name, spec, ranges in compressor.segments(params):
         part = flat[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else torch.cat([flat[a:b] for a, b in ranges])
