@@ -144,3 +144,46 @@ def test_module_globs():
     assert spec_for(parsed, "vision.patch") is None
     assert spec_for(parsed, "head").ratio == 0.05
     assert parse_compression("bf16") == CompressionSpec("bf16")
+
+
+def test_glob_precedence_and_names():
+    """The first glob in the dict's order that matches a parameter's module name or its full name wins."""
+    parsed = parse_compression({"*.bias": None, "text.*": "int8", "text": "topk", "*": "bf16"})
+    assert spec_for(parsed, "text.encoder.0", "text.encoder.0.weight").mode == "int8"
+    assert spec_for(parsed, "text.encoder.0", "text.encoder.0.bias") is None  # matched by its full name, first
+    assert spec_for(parsed, "text", "text.weight").mode == "int8"  # 'text.*' matches the full name 'text.weight'
+    assert spec_for(parsed, "", "scale").mode == "bf16"  # a parameter of the root module: module name ''
+
+
+def _two_branches() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.text = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model.vision = torch.nn.Linear(4, 2)
+    return model
+
+
+def test_resolve_and_segments():
+    model = _two_branches()
+    compressor = Compressor(parse_compression({"vision.*": None, "text.1": "topk", "text.*": "int8"}))
+    # a glob with None matches too; "vision.*" matches the full names "vision.weight" (module name: "vision")
+    assert compressor.resolve(model.named_parameters()) == {"vision.*", "text.1", "text.*"}
+    assert compressor.spec_of(model.text[0].weight).mode == "int8"
+    assert compressor.spec_of(model.text[1].bias).mode == "topk"
+    assert compressor.spec_of(model.vision.weight) is None
+    assert compressor.spec_of(torch.nn.Parameter(torch.zeros(1))) is None  # never resolved: uncompressed
+    # a DDP-like bucket order with the globs interleaved: one segment per glob, non-contiguous ranges kept apart
+    params = [model.vision.bias, model.text[1].weight, model.text[0].bias, model.vision.weight, model.text[0].weight]
+    segments = compressor.segments(params)
+    assert [(g, None if s is None else s.mode, r) for g, s, r in segments] == [
+        ("none", None, [(0, 2), (26, 34)]), ("g1", "topk", [(2, 18)]), ("g2", "int8", [(18, 26), (34, 66)])]
+    assert Compressor(CompressionSpec("int8")).resolve(model.named_parameters()) == set()  # one mode: nothing to do
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"text.*": "zip"}, r"`gradient_compression\['text.\*'\]`: .*mode 'zip' is unknown"),
+    ({"text.*": {"ratio": 0.1}}, r"`gradient_compression\['text.\*'\]=\{'ratio': 0.1\}` must be None \(uncompressed\), a mode name"),
+    ({"text.*": {"mode": "topk", "ratio": 0}}, r"`gradient_compression\['text.\*'\]`: .*ratio=0"),
+])
+def test_bad_glob_values_name_the_glob(value, match):
+    with pytest.raises(CompressionConfigError, match=match):
+        parse_compression(value)

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from lightning_npu.launch import spawn
 from tests._compression_workers import run_many
@@ -41,3 +42,49 @@ def test_compressed_bytes_and_losses(runs, zero):
     # bf16 rounding barely moves a 4-step run; every run trains (finite losses)
     assert all(math.isfinite(x) for r in (plain, bf16, topk) for x in r["losses"])
     assert bf16["losses"] == pytest.approx(plain["losses"], rel=1e-2)
+
+
+# ---- per-module globs: one branch compressed, the other not ---------------------------------------------------
+INT8_TEXT = {"text.*": "int8", "vision.*": None}
+
+
+def _int8_bytes(n: int) -> int:
+    chunks = math.ceil(n / 256)
+    return chunks * 256 + 4 * chunks  # int8 values padded to whole chunks, a fp32 scale per chunk
+
+
+@pytest.fixture(scope="module")
+def branches():
+    from tests._compression_workers import run_many_branches
+
+    scenarios = [dict(zero_stage=z, compression=c, steps=s) for z in (0, 1) for c, s in
+                 ((None, 1), (INT8_TEXT, 1), (INT8_TEXT, 3))]
+    return spawn(run_many_branches, 2, scenarios)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_globs_compress_one_branch(branches, zero):
+    for rank in branches:
+        plain, glob, longer = rank[3 * zero: 3 * zero + 3]
+        text, vision = plain["numel"]["text"], plain["numel"]["vision"]
+        # one step: plain sends both branches in fp32; the glob run sends vision in fp32 and text as int8
+        assert plain["bytes"] == 4 * (text + vision)
+        assert glob["bytes"] == 4 * vision + _int8_bytes(text), (glob["bytes"], 4 * vision, _int8_bytes(text))
+        assert longer["bytes"] == 3 * glob["bytes"]
+        assert set(glob["calls"].values()) == {1} and set(longer["calls"].values()) == {3}
+        assert len(glob["calls"]) == 1  # one compressed segment (zero 0) / bucket (zero 1): the text branch
+        # after one step the uncompressed branch is bit-identical to the uncompressed run, the compressed one is not
+        for name, value in plain["params"].items():
+            if name.startswith("vision."):
+                torch.testing.assert_close(glob["params"][name], value, rtol=0, atol=0, msg=name)
+        assert any(not torch.equal(glob["params"][n], v) for n, v in plain["params"].items() if n.startswith("text."))
+        assert all(math.isfinite(x) for x in longer["losses"])
+    assert branches[0][3 * zero + 2]["calls"] == branches[1][3 * zero + 2]["calls"]
+
+
+def test_a_glob_that_matches_no_parameter_is_refused():
+    from tests._compression_workers import unmatched_glob_error
+
+    errors = spawn(unmatched_glob_error, 2, {"text.*": "int8", "txet.*": None})
+    for err in errors:
+        assert err.startswith("ParallelConfigError: `gradient_compression['txet.*']` matches no parameter of TwoBranches"), err

@@ -8,7 +8,7 @@ import torch
 
 import lightning_npu
 from lightning_npu import NPUAccelerator, NPUHybridStrategy, device
-from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
+from lightning_npu.parallel.config import ParallelConfigError
 
 
 def test_import_registers_strategy_and_accelerator_idempotently():
@@ -72,9 +72,17 @@ def test_layout_that_does_not_fit_the_world_fails_at_trainer_construction():
         L.Trainer(accelerator="cpu", devices=2, strategy=NPUHybridStrategy(data_parallel_size=3))
 
 
-def test_features_not_landed_yet_refuse_loudly():
-    with pytest.raises(NotImplementedYetError, match="per-module globs are not implemented yet"):
-        NPUHybridStrategy(gradient_compression={"*.mlp.*": "topk"})
+def test_gradient_compression_globs_are_validated_at_construction():
+    compressor = NPUHybridStrategy(gradient_compression={"*.mlp.*": "topk", "*": None}).parallel_config.make_compressor()
+    assert compressor.per_module and compressor.spec["*.mlp.*"].mode == "topk" and compressor.spec["*"] is None
+    with pytest.raises(ParallelConfigError, match=r"`gradient_compression\['text.\*'\]`: .*mode 'zip' is unknown"):
+        NPUHybridStrategy(gradient_compression={"text.*": "zip"})
+    with pytest.raises(ParallelConfigError, match=r"`gradient_compression\['text.\*'\]`: .*ratio=2 must be in"):
+        NPUHybridStrategy(gradient_compression={"text.*": {"mode": "topk", "ratio": 2}})
+    with pytest.raises(ParallelConfigError, match=r"`gradient_compression\['text.\*'\]=3` must be None"):
+        NPUHybridStrategy(gradient_compression={"text.*": 3})
+    with pytest.raises(ParallelConfigError, match=r"`zero_stage=2`"):
+        NPUHybridStrategy(gradient_compression={"text.*": "int8"}, zero_stage=2)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,10 @@ nothing is lost, only delayed.
 
 Compressed modes are synchronous: the bucket's exchange runs when it is launched, so they do not overlap the rest of
 backward as the plain all-reduce does.
+
+Per-module globs (``{glob: mode or options or None}``): `Compressor.resolve` gives each parameter the spec of the
+first glob that matches its module name or its full name in the LightningModule (no glob: uncompressed); callers
+pass each bucket's (or each glob segment's) spec to `Compressor.sum`.
 """
 
 from __future__ import annotations
@@ -56,11 +60,24 @@ def parse_compression(value: Any) -> Union[None, CompressionSpec, dict[str, Opti
     if isinstance(value, dict) and "mode" in value:
         return _spec(value)
     if isinstance(value, dict) and value:
-        return {str(glob): None if v is None else parse_compression(v) for glob, v in value.items()}
+        return {str(glob): _glob_value(str(glob), v) for glob, v in value.items()}
     raise CompressionConfigError(
         f"`gradient_compression={value!r}` must be None, a mode name ({', '.join(MODES)}), "
         "{'mode': ..., 'ratio': ..., 'warmup_steps': ..., 'rank': ..., 'error_feedback': ...} or "
         "{module glob: mode}.")
+
+
+def _glob_value(glob: str, value: Any) -> Optional[CompressionSpec]:
+    if value is None:
+        return None
+    if not (isinstance(value, str) or (isinstance(value, dict) and "mode" in value)):
+        raise CompressionConfigError(
+            f"`gradient_compression[{glob!r}]={value!r}` must be None (uncompressed), a mode name ({', '.join(MODES)}) "
+            "or an options dict with a 'mode'.")
+    try:
+        return _spec({"mode": value} if isinstance(value, str) else value)
+    except (CompressionConfigError, TypeError) as err:
+        raise CompressionConfigError(f"`gradient_compression[{glob!r}]`: {err}") from None
 
 
 def _spec(options: dict) -> CompressionSpec:
@@ -83,13 +100,21 @@ def _spec(options: dict) -> CompressionSpec:
     return spec
 
 
-def spec_for(parsed: Any, module_name: str) -> Optional[CompressionSpec]:
-    """The spec that applies to the parameters of `module_name`: the first matching glob of a dict (None: none)."""
+def spec_for(parsed: Any, module_name: str, param_name: Optional[str] = None) -> Optional[CompressionSpec]:
+    """The spec that applies to a parameter of module `module_name` (full name `param_name`): for a dict of globs,
+    the first glob, in the dict's order, that matches the module name or the parameter's name (None: no glob)."""
     if not isinstance(parsed, dict):
         return parsed
     for glob, spec in parsed.items():
-        if fnmatch.fnmatchcase(module_name, glob):
+        if fnmatch.fnmatchcase(module_name, glob) or (param_name is not None and fnmatch.fnmatchcase(param_name, glob)):
             return spec
+    return None
+
+
+def _glob_of(parsed: dict, module_name: str, param_name: str) -> Optional[str]:
+    for glob in parsed:
+        if fnmatch.fnmatchcase(module_name, glob) or fnmatch.fnmatchcase(param_name, glob):
+            return glob
     return None
 
 
@@ -102,33 +127,90 @@ def _all_gather(flat: torch.Tensor, group: Any) -> torch.Tensor:
 
 @dataclass
 class Compressor:
-    """One mode's per-bucket reduction and state (residuals, PowerSGD's Q); `steps` counts calls per bucket."""
+    """Per-bucket compressed reductions and their state (residuals, PowerSGD's Q); `steps` counts calls per bucket.
 
-    spec: CompressionSpec
+    `spec` is one `CompressionSpec` for every gradient, or a dict {glob: spec or None} (`parse_compression`): then
+    `resolve` gives each parameter its spec from its name, and callers reduce each bucket (or each run of parameters
+    of one spec inside a bucket, `segments`) with `sum(..., spec=spec_of(param))` or uncompressed when it is None.
+    """
+
+    spec: Union[CompressionSpec, dict[str, Optional[CompressionSpec]]]
     residuals: dict[str, torch.Tensor] = field(default_factory=dict)
     q_factors: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     world: Optional[int] = None  # the dp size the state was built for
+    _specs: dict[int, Optional[CompressionSpec]] = field(default_factory=dict)
+    _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>": the i-th glob compresses it
 
-    def sum(self, flat: torch.Tensor, group: Any, key: str) -> None:
-        """`flat` (fp32, this rank's bucket) <- the decompressed SUM over `group`."""
+    @property
+    def per_module(self) -> bool:
+        return isinstance(self.spec, dict)
+
+    def resolve(self, named_parameters: Any) -> set[str]:
+        """Give each parameter its spec once, from ``(name, parameter)`` pairs named as in the user's model (the
+        LightningModule's ``named_parameters()``: no wrapper prefixes). Returns the globs that matched a parameter."""
+        matched: set[str] = set()
+        if not self.per_module:
+            return matched
+        for name, p in named_parameters:
+            module = name.rpartition(".")[0]
+            glob = _glob_of(self.spec, module, name)
+            self._specs[id(p)] = None if glob is None else self.spec[glob]
+            if glob is not None:
+                matched.add(glob)
+                if self.spec[glob] is not None:  # (parameters left uncompressed share one group, "none")
+                    self._globs[id(p)] = f"g{list(self.spec).index(glob)}"
+        return matched
+
+    def spec_of(self, param: torch.Tensor) -> Optional[CompressionSpec]:
+        """The spec of `param` (None: reduced uncompressed); a parameter `resolve` did not see is uncompressed."""
+        if not self.per_module:
+            return self.spec
+        return self._specs.get(id(param))
+
+    def group_of(self, param: torch.Tensor) -> str:
+        """A stable name for `param`'s glob (``g<position in the dict>``; ``"none"`` where it is not compressed)."""
+        return self._globs.get(id(param), "none")
+
+    def segments(self, params: list[torch.Tensor]) -> list[tuple[str, Optional[CompressionSpec], list[tuple[int, int]]]]:
+        """A flat bucket holding `params`' gradients back to back, grouped by glob: ``(group, spec, [(start, end),
+        ...])`` in order of first appearance, each group's ranges merged where contiguous."""
+        out: dict[str, tuple[str, Optional[CompressionSpec], list[tuple[int, int]]]] = {}
+        offset = 0
+        for p in params:
+            group, end = self.group_of(p), offset + p.numel()
+            ranges = out.setdefault(group, (group, self.spec_of(p), []))[2]
+            if ranges and ranges[-1][1] == offset:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((offset, end))
+            offset = end
+        return list(out.values())
+
+    def sum(self, flat: torch.Tensor, group: Any, key: str, spec: Optional[CompressionSpec] = None) -> None:
+        """`flat` (fp32, this rank's bucket) <- the decompressed SUM over `group`, compressed as `spec` says
+        (default: the one spec of a compressor that has no globs)."""
+        if spec is None:
+            if self.per_module:
+                raise ValueError("Compressor.sum needs the bucket's spec when gradient_compression has globs.")
+            spec = self.spec
         self.world = dist.get_world_size(group)
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
-        if step < self.spec.warmup_steps:
+        if step < spec.warmup_steps:
             dist.all_reduce(flat, group=group)
             return
-        mode = self.spec.mode
+        mode = spec.mode
         if mode == "bf16":
             return self._bf16(flat, group)
-        if self.spec.error_feedback:
+        if spec.error_feedback:
             residual = self.residuals.get(key)
             if residual is None or residual.shape != flat.shape:
                 residual = self.residuals[key] = torch.zeros_like(flat)
             flat.add_(residual)
             corrected = flat.clone()
-        sent = getattr(self, f"_{mode}")(flat, group, key)  # what this rank contributed, decompressed
-        if self.spec.error_feedback:
+        sent = getattr(self, f"_{mode}")(flat, group, key, spec)  # what this rank contributed, decompressed
+        if spec.error_feedback:
             torch.sub(corrected, sent, out=self.residuals[key])
 
     # ---- modes: each leaves the decompressed sum in `flat` and returns this rank's own decompressed payload ----
@@ -141,7 +223,7 @@ class Compressor:
             return
         flat.copy_(half)
 
-    def _int8(self, flat: torch.Tensor, group: Any, key: str) -> torch.Tensor:
+    def _int8(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec) -> torch.Tensor:
         chunks = _chunked(flat)
         scale = chunks.abs().amax(dim=1).clamp_min(1e-30) / 127
         q = torch.round(chunks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -151,8 +233,8 @@ class Compressor:
         flat.copy_(total[: flat.numel()])
         return own
 
-    def _topk(self, flat: torch.Tensor, group: Any, key: str) -> torch.Tensor:
-        k = max(1, math.ceil(self.spec.ratio * flat.numel()))
+    def _topk(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec) -> torch.Tensor:
+        k = max(1, math.ceil(spec.ratio * flat.numel()))
         idx = flat.abs().topk(k, sorted=False).indices
         values = flat[idx]
         own = torch.zeros_like(flat).index_put_((idx,), values)
@@ -160,7 +242,7 @@ class Compressor:
         flat.zero_().index_add_(0, all_idx.flatten().long(), all_values.flatten())
         return own
 
-    def _onebit(self, flat: torch.Tensor, group: Any, key: str) -> torch.Tensor:
+    def _onebit(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec) -> torch.Tensor:
         chunks = _chunked(flat)
         scale = chunks.abs().mean(dim=1)
         positive = chunks >= 0
@@ -172,7 +254,9 @@ class Compressor:
         flat.copy_(total[: flat.numel()])
         return own
 
-    def _powersgd(self, flat: torch.Tensor, group: Any, key: str) -> torch.Tensor:
+    # Not torch's `powerSGD_hook`/`PowerSGDState`: they take DDP GradBuckets only (zero 1 and pipeline buckets, and the
+    # glob segments of a DDP bucket, are not), compress per tensor, and key their state by DDP bucket index.
+    def _powersgd(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec) -> torch.Tensor:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
         rows = max(1, int(math.sqrt(flat.numel())))
@@ -180,7 +264,7 @@ class Compressor:
         matrix = torch.zeros(rows * cols, dtype=flat.dtype, device=flat.device)
         matrix[: flat.numel()] = flat
         matrix = matrix.view(rows, cols)
-        rank = min(self.spec.rank, rows, cols)
+        rank = min(spec.rank, rows, cols)
         q = self.q_factors.get(key)
         if q is None or q.shape != (cols, rank):
             generator = torch.Generator().manual_seed(0)  # the same start on every rank
@@ -199,7 +283,9 @@ class Compressor:
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"spec": self.spec.__dict__, "world": self.world, "steps": dict(self.steps),
+        spec = ({g: None if v is None else v.__dict__ for g, v in self.spec.items()} if self.per_module
+                else self.spec.__dict__)
+        return {"spec": spec, "world": self.world, "steps": dict(self.steps),
                 "residuals": dict(self.residuals), "q_factors": dict(self.q_factors)}
 
     def load_state_dict(self, state: dict[str, Any], world: int) -> bool:

@@ -262,10 +262,6 @@ class ParallelConfig:
                 f"`gradient_compression={self.gradient_compression!r}` with `hierarchical_allreduce=True`: a compressed "
                 "bucket is exchanged flat over the dp group; choose one (hierarchical_allreduce='auto' leaves "
                 "compressed buckets flat).")
-        if isinstance(parsed, dict):
-            raise NotImplementedYetError(
-                f"`gradient_compression={self.gradient_compression!r}`: per-module globs are not implemented yet; "
-                "give one mode (or one options dict) for the whole model.")
 
     def make_compressor(self) -> Any:
         """The `compression.Compressor` every dp bucket reduction goes through, or None (uncompressed)."""

@@ -64,7 +64,7 @@ class _Done:
 
 
 def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = None, compressor: Any = None,
-                  key: str = "") -> Any:
+                  key: str = "", spec: Any = None) -> Any:
     """Launch the SUM of one fp32 gradient bucket over the dp `group`; returns the async work.
 
     ``out=None``: all-reduce `flat` in place. Otherwise reduce-scatter `flat` (rank-major: rank r's part is
@@ -72,9 +72,10 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
     With a `compressor` (`compression.Compressor`) the SUM is the compressed exchange of bucket `key`, run
     synchronously; a reduce-scatter is then a compressed all-reduce of which this rank keeps its chunk (the
     wire cost is the compressed all-reduce's, never more than the uncompressed reduce-scatter's for the lossy modes).
+    `spec`: the bucket's `CompressionSpec` where `gradient_compression` has per-module globs.
     """
     if compressor is not None:
-        compressor.sum(flat, group, key)
+        compressor.sum(flat, group, key, spec=spec)
         if out is not None:
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             out.copy_(flat.view(world, -1)[rank])
@@ -110,9 +111,10 @@ class _Slice:
 class _Bucket:
     """Parameters of one dtype whose gradients are reduced together, and this rank's part of the result."""
 
-    def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device) -> None:
+    def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device, spec: Any = None) -> None:
         self.params = params
         self.dtype = params[0].dtype
+        self.spec = spec  # the CompressionSpec of every parameter here (None: uncompressed)
         self.slices: list[_Slice] = []
         offset = 0
         for p in params:
@@ -152,7 +154,9 @@ class GradientBuckets:
         rank = dp_mesh.get_local_rank() if shard else 0
         device = params[0].device if params else torch.device("cpu")
         self.params = params
-        self.buckets = _make_buckets(params, bucket_size_mb, self.dp if shard else 1, rank, device)
+        # buckets are homogeneous in dtype and compression spec (per-module globs): each is reduced one way
+        spec_of = compressor.spec_of if compressor is not None else (lambda p: None)
+        self.buckets = _make_buckets(params, bucket_size_mb, self.dp if shard else 1, rank, device, spec_of)
         self.slice_of: dict[int, tuple[_Bucket, _Slice]] = {
             id(s.param): (b, s) for b in self.buckets for s in b.slices}
         self.enabled = True
@@ -199,12 +203,16 @@ class GradientBuckets:
                 p.grad = None  # the reduced slice replaces the full local gradient (no stale full copy to misread)
             # a second backward before zero_grad (manual optimization) adds to the reduced slice, as `.grad` would
             bucket.out = torch.empty_like(bucket.grad) if bucket.pending else bucket.grad
-            bucket.work = reduce_bucket(bucket.send, self.group, out=bucket.out, compressor=self.compressor,
-                                        key=self._key(bucket))
+            bucket.work = reduce_bucket(bucket.send, self.group, out=bucket.out, **self._compression(bucket))
         else:
             bucket.out = bucket.send
-            bucket.work = reduce_bucket(bucket.send, self.group, compressor=self.compressor, key=self._key(bucket))
+            bucket.work = reduce_bucket(bucket.send, self.group, **self._compression(bucket))
         bucket.launched = True
+
+    def _compression(self, bucket: _Bucket) -> dict[str, Any]:
+        if self.compressor is None or bucket.spec is None:
+            return {}  # uncompressed (with globs: parameters that no glob compresses)
+        return {"compressor": self.compressor, "key": self._key(bucket), "spec": bucket.spec}
 
     def _key(self, bucket: _Bucket) -> str:
         return f"{self.key_prefix}.{self.buckets.index(bucket)}"
@@ -239,22 +247,23 @@ class GradientBuckets:
 
 
 def _make_buckets(params: list[nn.Parameter], bucket_size_mb: float, parts: int, rank: int,
-                  device: torch.device) -> list[_Bucket]:
+                  device: torch.device, spec_of: Any = lambda p: None) -> list[_Bucket]:
     # reverse registration order approximates the order backward produces gradients (as DDP assumes);
     # the first bucket is small (1 MiB, as DDP's): its reduction starts early in backward
     limit = max(1, int(min(1.0, bucket_size_mb) * 2**20))
     buckets: list[_Bucket] = []
-    pending: dict[torch.dtype, list[nn.Parameter]] = {}
-    sizes: dict[torch.dtype, int] = {}
+    pending: dict[tuple, list[nn.Parameter]] = {}
+    sizes: dict[tuple, int] = {}
     for p in reversed(params):
-        group = pending.setdefault(p.dtype, [])
+        kind = (p.dtype, spec_of(p))
+        group = pending.setdefault(kind, [])
         group.append(p)
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * 4
-        if sizes[p.dtype] >= limit:
-            buckets.append(_Bucket(group, parts, rank, device))
-            pending[p.dtype], sizes[p.dtype] = [], 0
+        sizes[kind] = sizes.get(kind, 0) + p.numel() * 4
+        if sizes[kind] >= limit:
+            buckets.append(_Bucket(group, parts, rank, device, kind[1]))
+            pending[kind], sizes[kind] = [], 0
             limit = max(1, int(bucket_size_mb * 2**20))
-    buckets.extend(_Bucket(group, parts, rank, device) for group in pending.values() if group)
+    buckets.extend(_Bucket(group, parts, rank, device, kind[1]) for kind, group in pending.items() if group)
     return buckets
 
 
@@ -303,7 +312,11 @@ class _HookState:
 def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks real annotations)
     buf = bucket.buffer()
     flat = buf.to(torch.float32) if state.fp32 else buf  # the same tensor when the bucket is fp32 already
-    fut = reduce_bucket(flat, state.group, compressor=state.compressor, key=f"ddp.{bucket.index()}").get_future()
+    compressor, key = state.compressor, f"ddp.{bucket.index()}"
+    if compressor is not None and compressor.per_module:
+        fut = _reduce_segments(flat, bucket.parameters(), state.group, compressor, key)
+    else:
+        fut = reduce_bucket(flat, state.group, compressor=compressor, key=key).get_future()
     world = dist.get_world_size(state.group)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
@@ -312,6 +325,34 @@ def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks 
         return buf.div_(world)
 
     return fut.then(done)
+
+
+def _reduce_segments(flat: torch.Tensor, params: list[torch.Tensor], group: Any, compressor: Any,
+                     key: str) -> torch.futures.Future:
+    """Per-module globs in a DDP bucket (whose parameters' gradients lie back to back in `flat`): the gradients of
+    each glob's parameters are one segment, compressed with its spec under the key ``<key>.g<i>`` (i: the glob's
+    position in the dict); the parameters no glob compresses are one plain all-reduce. A segment whose parameters
+    are not contiguous in the bucket is reduced from a packed copy."""
+    pending: list[tuple[Any, torch.Tensor, list[tuple[int, int]]]] = []
+    for name, spec, ranges in compressor.segments(params):
+        part = flat[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else torch.cat([flat[a:b] for a, b in ranges])
+        if spec is None:
+            work = reduce_bucket(part, group)
+        else:
+            work = reduce_bucket(part, group, compressor=compressor, key=f"{key}.{name}", spec=spec)
+        pending.append((work, part, ranges))
+
+    def unpack(_: Any) -> torch.Tensor:  # every segment's future is done (no Work.wait() in a callback: it hangs)
+        for _work, part, ranges in pending:
+            if len(ranges) > 1:
+                offset = 0
+                for a, b in ranges:
+                    flat[a:b].copy_(part[offset: offset + b - a])
+                    offset += b - a
+        return flat
+
+    futures = [w.get_future() for w, _, _ in pending]
+    return torch.futures.collect_all(futures).then(unpack)
 
 
 _ddp_comm_hook.__annotations__ = {}  # `from __future__ import annotations` strings fail DDP's hook check

@@ -153,6 +153,8 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
         return model, gs.FullyShardedGradientSync(model if pipeline is None else None)
     compressor = cfg.make_compressor()
+    if compressor is not None:
+        resolve_compression(compressor, model, cfg)
     if cfg.uses_distributed_optimizer:
         # the DistributedOptimizer's buckets reduce-scatter the gradients (bound in setup_optimizers)
         if pipeline is None:
@@ -172,3 +174,26 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
         # state broadcast (before validate/test) must skip the tp shards, which differ between tp ranks by design
         model._ddp_params_and_buffers_to_ignore = tp_names
     return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor)
+
+
+def resolve_compression(compressor: Any, model: nn.Module, cfg: ParallelConfig) -> None:
+    """Give each parameter its compression spec from its name in the LightningModule (`model`: tp, the pipeline
+    split and activation checkpointing keep names; DDP's ``module.`` prefix is not in them). With globs, one that
+    matches no parameter on any rank (the pipeline's stages together) is an error. Collective (with globs)."""
+    import torch.distributed as dist
+
+    from lightning_npu.parallel.config import ParallelConfigError
+
+    matched = compressor.resolve(model.named_parameters())
+    if not compressor.per_module:
+        return
+    if dist.is_initialized():
+        everywhere: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everywhere, sorted(matched))
+        matched = {g for m in everywhere for g in m}
+    unmatched = [g for g in compressor.spec if g not in matched]
+    if unmatched:
+        raise ParallelConfigError(
+            f"`gradient_compression[{unmatched[0]!r}]` matches no parameter of {type(model).__name__}: a glob matches "
+            "a parameter's module name (e.g. 'text.encoder.*') or its full name (e.g. '*.bias'), as "
+            f"`named_parameters()` of the LightningModule gives them; fix or remove it ({cfg.gradient_compression!r}).")
