@@ -1,0 +1,86 @@
+"""Gradient compression does not cost convergence: 300 AdamW steps of the example GPT at dp=2 (real processes, gloo).
+
+Every arm trains the same small GPT (`SMALL_GPT`, AdamW lr 3e-3 with 10 warm-up steps, as the example trains) from the
+same seed on the same unshuffled data (the example's built-in grammar corpus: structured, so the loss falls from
+ln 256 = 5.55 to about 1.0 in 300 steps), through the real zero-0 gradient path (DDP comm hook -> `reduce_bucket`).
+All arms run one after another in one 2-process launch.
+
+Compared number: the mean of the last 10 logged (dp-mean) train losses, each arm against the uncompressed arm.
+Those are the same 10 batches in every arm. bf16/int8 land within 1% (the run-to-run noise floor of this setup is
+~0.1%: bf16 rounding moves it by 0.03%).
+
+Measured with torch 2.13 on CPU (last-10 mean, vs uncompressed 1.023): topk 0.1 +55%, onebit (30 warm-up steps)
++77%, powersgd rank 1 +187%; these miss 3% and are strict xfails below, so fixing them turns the test red until the
+marks go. AdamW divides each coordinate by its own gradient RMS, so a coordinate that arrives rarely in a burst
+(sparsified with error feedback) or with a sign-inflated magnitude moves far less than the same gradient sent dense.
+"""
+
+import math
+import statistics
+
+import pytest
+
+from lightning_npu.launch import spawn
+from tests._convergence_workers import train_arms
+
+STEPS = 300
+TAIL = 10
+ARMS = {
+    "none": None,
+    "bf16": "bf16",
+    "int8": "int8",
+    "topk": {"mode": "topk", "ratio": 0.1},
+    "onebit": {"mode": "onebit", "warmup_steps": 30},
+    "powersgd": {"mode": "powersgd", "rank": 1},
+    # error feedback on vs off at a ratio where its effect on AdamW shows (measured: 1.19 vs 1.33, +11.6%)
+    "topk30": {"mode": "topk", "ratio": 0.3},
+    "topk30_no_ef": {"mode": "topk", "ratio": 0.3, "error_feedback": False},
+}
+_MISSES = "measured {}: misses 3% under AdamW (see the module docstring); a strict xfail until compression is fixed"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    arms = [dict(compression=c, steps=STEPS) for c in ARMS.values()]
+    out = dict(zip(ARMS, spawn(train_arms, 2, arms)[0]))
+    base = statistics.fmean(out["none"]["losses"][-TAIL:])
+    for name, run in out.items():  # shown with `pytest -s` (and kept for the record in the docs' numbers)
+        last = statistics.fmean(run["losses"][-TAIL:])
+        print(f"{name:14s} last-{TAIL} mean {last:.4f} ({last / base - 1:+.2%})  gradient bytes {run['bytes']:,}")
+    return out
+
+
+def tail(run):
+    assert len(run["losses"]) == STEPS
+    return statistics.fmean(run["losses"][-TAIL:])
+
+
+@pytest.mark.slow
+def test_uncompressed_loss_falls(runs):
+    losses = runs["none"]["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    first, last = statistics.fmean(losses[:TAIL]), tail(runs["none"])
+    assert first > 5.0 and last < first / 4, (first, last)  # measured 5.5 -> 1.02 (x5.4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [
+    "bf16", "int8",
+    pytest.param("topk", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+55%"))),
+    pytest.param("onebit", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+77%"))),
+    pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+187%"))),
+])
+def test_compressed_ends_within_3_percent(runs, mode):
+    base, got = tail(runs["none"]), tail(runs[mode])
+    # compression was on: fewer gradient bytes than the uncompressed run (onebit's fp32 warm-up included)
+    assert runs[mode]["bytes"] < 0.55 * runs["none"]["bytes"], (runs[mode]["bytes"], runs["none"]["bytes"])
+    assert abs(got / base - 1) <= 0.03, f"{mode}: last-{TAIL} mean {got:.4f} vs uncompressed {base:.4f}"
+
+
+@pytest.mark.slow
+def test_topk_without_error_feedback_is_worse(runs):
+    ef, no_ef = tail(runs["topk30"]), tail(runs["topk30_no_ef"])
+    # same bytes: only the residual differs (a no-op compressor would make the two identical)
+    assert runs["topk30"]["bytes"] == runs["topk30_no_ef"]["bytes"] < 0.65 * runs["none"]["bytes"]
+    # measured 1.33 vs 1.19 (+11.6%); asserted with half of that as slack
+    assert no_ef > 1.05 * ef, (no_ef, ef)
