@@ -84,3 +84,17 @@ def test_topk_without_error_feedback_is_worse(runs):
     assert runs["topk30"]["bytes"] == runs["topk30_no_ef"]["bytes"] < 0.65 * runs["none"]["bytes"]
     # measured 1.33 vs 1.19 (+11.6%); asserted with half of that as slack
     assert no_ef > 1.05 * ef, (no_ef, ef)
+
+
+def test_communication_benchmark_quick(tmp_path):
+    """`benchmarks/communication.py --quick` (dp=2, 12 steps per arm, ~15 s): its byte counts and outputs."""
+    from benchmarks.communication import main
+
+    out = main(["--quick", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")])
+    rows = out["results"]["dp2"]
+    assert (tmp_path / "c.json").exists() and (tmp_path / "c.png").stat().st_size > 0
+    assert rows["compute_only"]["payload_bytes"] == 0 < rows["none"]["payload_bytes"]
+    ratio = {m: rows[m]["payload_ratio_vs_none"] for m in ("bf16", "int8", "topk", "onebit", "powersgd")}
+    assert ratio["bf16"] == 0.5  # measured: 0.5, 0.254, 0.200, 0.035, 0.005 (the per-rank payload vs fp32)
+    assert ratio["int8"] < 0.26 and ratio["topk"] < 0.21 and ratio["onebit"] < 0.04 and ratio["powersgd"] < 0.01, ratio
+    assert all(r["step_ms"] > 0 and math.isfinite(r["exposed_comm_ms"]) for r in rows.values())
