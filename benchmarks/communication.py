@@ -292,7 +292,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot = Path(args.plot) if args.plot else out.parent / "communication_loss.png"
-    plot_losses(results["dp2"], plot, f"example GPT, dp=2, AdamW, {steps} steps: train loss per gradient compression mode")
+    plot_losses(results["dp2"], plot,
+                f"example GPT, dp=2, AdamW, {steps} steps: train loss per gradient compression mode")
     payload = {"config": {"model": model, "per_rank_batch": PER_RANK_BATCH, "zero_stage": 0, "modes": MODES,
                           "steps_dp2_first_pass": steps, "timing_steps": args.timing_steps, "repeats": repeats,
                           "warmup": warmup,

@@ -90,7 +90,7 @@ def test_topk_without_error_feedback_is_worse(runs):
 
 
 def test_communication_benchmark_quick(tmp_path):
-    """`benchmarks/communication.py --quick` (dp=2, 12 steps per arm; 15 s idle, 19-28 s at load 5-11): bytes, outputs."""
+    """`benchmarks/communication.py --quick` (dp=2, 12 steps per arm; 15 s idle, 19-28 s at load 5-11)."""
     from benchmarks.communication import main
 
     out = main(["--quick", "--out", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")])
