@@ -88,8 +88,9 @@ class NPUHybridStrategy(DDPStrategy):
         fuse_ops: replace norms, softmax, GELU, SwiGLU and attention with fused kernels (``state_dict``
             keys unchanged). True: only the patterns measured faster on this device type
             (``lightning_npu.ops.verdicts``); ``"all"`` or a list of pattern names: those (to measure them).
-        gradient_compression: compress gradients before the dp reduction: ``None`` or a mode
-            (``"bf16"``, ``"int8"``, ``"topk"``, ``"onebit"``, ``"powersgd"``).
+        gradient_compression: compress gradients before the dp reduction: ``None``, a mode (``"bf16"``,
+            ``"int8"``, ``"topk"``, ``"onebit"``, ``"powersgd"``), an options dict (``{"mode": "topk",
+            "ratio": 0.1, "warmup_steps": 100}``) or ``{module glob: mode, options or None}`` (docs/communication.md).
         bucket_size_mb: size of the gradient buckets that are reduced together, in MiB.
         hierarchical_allreduce: reduce within a node, then across nodes: ``"auto"``, True or False.
         process_group_backend: ``None`` picks it from the device (hccl, nccl, gloo).
@@ -124,7 +125,7 @@ class NPUHybridStrategy(DDPStrategy):
         activation_checkpointing: Union[None, int, str] = None,
         memory_budget_gb: Optional[float] = None,
         fuse_ops: Union[bool, str, list[str]] = False,
-        gradient_compression: Optional[str] = None,
+        gradient_compression: Union[None, str, dict] = None,
         bucket_size_mb: float = 25.0,
         hierarchical_allreduce: Union[str, bool] = "auto",
         process_group_backend: Optional[str] = None,
