@@ -140,7 +140,7 @@ def train_arm(arm: str, steps: int, devices: int, num_nodes: int, model_kwargs: 
     with wire.counting():
         saved = _record_kinds(wire, calls)
         if arm == "compute_only":  # no exchange at all: the bucket is "reduced" to itself (times dp: the caller
-            def local(flat, group, out=None, compressor=None, key=""):  # divides by dp, keeping the magnitude)
+            def local(flat, group, out=None, **_):  # divides by dp, keeping the magnitude)
                 flat.mul_(dist.get_world_size(group))
                 if out is not None:
                     out.copy_(flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)])

@@ -105,7 +105,8 @@ def run(zero_stage: int, compression: Any, steps: int, accumulate: int = 1, pp: 
     return {"losses": losses.losses, "bytes": wire.bytes, "world": world, "groups": wire.groups,
             "dp_ranks": tuple(dist.get_process_group_ranks(mesh["dp"].get_group())), "launched_early": early,
             "numel": {n: p.numel() for n, p in model.named_parameters()},
-            "calls": None if compressor is None else dict(compressor.steps)}
+            "calls": None if compressor is None else dict(compressor.steps),
+            "q_factors": None if compressor is None else sorted(compressor.q_factors)}
 
 
 def run_many(scenarios: list[dict]) -> list[dict]:

@@ -14,6 +14,7 @@ from lightning_npu.parallel.compression import (
     parse_compression,
     spec_for,
 )
+from lightning_npu.parallel.grad_sync import matrices_of
 
 N, STEPS = 100_003, 6  # an odd size: chunks and bit packing pad
 BOUNDS = {"bf16": 0.52, "int8": 0.27, "topk": 0.21, "onebit": 0.05}
@@ -57,14 +58,47 @@ def _run(spec: CompressionSpec) -> dict:
         both = [torch.randn(N, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(2)]
         true_total += both[0] + both[1]
         flat = g.clone()
+        # PowerSGD sees the bucket as a 301 x 331 weight and a bias (what the other modes ignore)
+        matrices = matrices_of(flat, 1, [torch.empty(301, 331), torch.empty(372)]) if spec.mode == "powersgd" else None
         with _Wire() as w:
-            compressor.sum(flat, None, "bucket0")
+            compressor.sum(flat, None, "bucket0", matrices=matrices)
         wire.append(w.bytes)
         reduced_total += flat
     residual = compressor.residuals.get("bucket0", torch.zeros(N)).clone()
     dist.all_reduce(residual)
     return {"wire": wire, "true": true_total, "reduced": reduced_total, "residuals": residual,
             "last": flat, "state": compressor.state_dict()}
+
+
+SHAPES = [(7, 12), (12,), (9, 5, 2), (16, 16)]  # odd rows: ZeRO-1's two parts pad them
+
+
+def _powersgd_rank1() -> dict:
+    """Rank-1 gradients on every rank: PowerSGD, factorising each matrix on its own, returns their exact sum, in one
+    part (DDP, pipeline buckets) and in ZeRO-1's two rank-major zero-padded parts; one matrix over the whole bucket
+    (no layout given) cannot. Returns the largest error per layout."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    factors = [(torch.randn(s[0], generator=gen), torch.randn(torch.Size(s[1:]).numel(), generator=gen)) for s in SHAPES]
+
+    def grads(r: int) -> list[torch.Tensor]:  # matrices rank 1, the bias anything
+        return [(r + 1) * torch.outer(u, v).view(s) if len(s) > 1 else torch.full(s, float(r)) for (u, v), s in
+                zip(factors, SHAPES)]
+
+    params = [torch.empty(s) for s in SHAPES]
+    errors = {}
+    for name, parts in (("one part", 1), ("zero1 parts", 2), ("no layout", 1)):
+        def bucket(gs: list[torch.Tensor]) -> torch.Tensor:
+            rows = sum(-(-g.shape[0] // parts) * (g.numel() // g.shape[0]) for g in gs)
+            out = torch.empty(parts, rows)
+            torch._chunk_cat(gs, dim=0, num_chunks=parts, out=out)
+            return out.view(-1)
+
+        flat, want = bucket(grads(rank)), bucket([a + b for a, b in zip(grads(0), grads(1))])
+        compressor = Compressor(CompressionSpec("powersgd", rank=1))
+        compressor.sum(flat, None, "b", matrices=None if name == "no layout" else matrices_of(flat, parts, params))
+        errors[name] = float((flat - want).abs().max() / want.abs().max())
+    return errors
 
 
 def _all_modes() -> dict:
@@ -78,7 +112,7 @@ def _all_modes() -> dict:
         "powersgd": CompressionSpec("powersgd", rank=4),
     }
     try:
-        return {name: _run(spec) for name, spec in specs.items()}
+        return {**{name: _run(spec) for name, spec in specs.items()}, "powersgd_rank1": _powersgd_rank1()}
     finally:
         dist.destroy_process_group()
 
@@ -110,8 +144,14 @@ def test_error_feedback_loses_nothing(ranks, mode):
         ranks[0]["topk"]["reduced"] + ranks[0]["topk"]["residuals"] - ranks[0]["topk"]["true"]).norm()
 
 
+def test_powersgd_factorises_each_matrix(ranks):
+    errors = ranks[0]["powersgd_rank1"]
+    assert errors["one part"] < 1e-5 and errors["zero1 parts"] < 1e-5, errors
+    assert errors["no layout"] > 1e-2, errors  # one matrix over mixed parameters has no rank-1 structure
+
+
 def test_every_rank_gets_the_same_sum(ranks):
-    for mode in ranks[0]:
+    for mode in (m for m in ranks[0] if m != "powersgd_rank1"):
         torch.testing.assert_close(ranks[0][mode]["last"], ranks[1][mode]["last"], rtol=0, atol=0, msg=mode)
     bf16 = ranks[0]["bf16"]  # bf16: the sum itself, to bf16 precision
     torch.testing.assert_close(bf16["reduced"], bf16["true"], rtol=0, atol=0.1)

@@ -9,11 +9,12 @@ Compared number: the mean of the last 10 logged (dp-mean) train losses, each arm
 Those are the same 10 batches in every arm; the runs are deterministic (same numbers every run on one machine).
 
 Measured with torch 2.13 on CPU (last-10 mean; uncompressed 1.023, first 10 steps 5.5): bf16 +0.23%, int8 -0.81%,
-topk 0.1 +53%, onebit (30 warm-up steps) +68%, powersgd rank 1 +161%; topk 0.3 with error feedback +16%, without
+topk 0.1 +53%, onebit (30 warm-up steps) +68%, powersgd rank 1 +90% (+161% when it factorised the whole bucket
+as one matrix; rank 4: +40%); topk 0.3 with error feedback +16%, without
 +30%. topk, onebit and powersgd miss 3%: strict xfails below, so fixing them turns the test red until the
 marks go. A likely cause: AdamW divides each coordinate by its own gradient RMS, so a coordinate that arrives rarely
 and in bursts (sparsified with error feedback) or with a sign-inflated magnitude moves less than the same gradient
-sent dense; PowerSGD here factorises the whole flat bucket, not each weight matrix. AdamW rather than SGD: with
+sent dense. AdamW rather than SGD: with
 SGD+momentum (lr 0.15-0.3) this model sits on a plateau whose escape is chaotic, and bf16 rounding alone moved the
 final loss by up to 3.5%, too much noise for a 3% bound.
 """
@@ -71,7 +72,7 @@ def test_uncompressed_loss_falls(runs):
     "bf16", "int8",
     pytest.param("topk", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+53%"))),
     pytest.param("onebit", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+68%"))),
-    pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+161%"))),
+    pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+90%"))),
 ])
 def test_compressed_ends_within_3_percent(runs, mode):
     base, got = tail(runs["none"]), tail(runs[mode])
@@ -98,6 +99,6 @@ def test_communication_benchmark_quick(tmp_path):
     assert (tmp_path / "c.json").exists() and (tmp_path / "c.png").stat().st_size > 0
     assert rows["compute_only"]["payload_bytes"] == 0 < rows["none"]["payload_bytes"]
     ratio = {m: rows[m]["payload_ratio_vs_none"] for m in ("bf16", "int8", "topk", "onebit", "powersgd")}
-    assert ratio["bf16"] == 0.5  # measured: 0.5, 0.254, 0.200, 0.035, 0.005 (the per-rank payload vs fp32)
-    assert ratio["int8"] < 0.26 and ratio["topk"] < 0.21 and ratio["onebit"] < 0.04 and ratio["powersgd"] < 0.01, ratio
+    assert ratio["bf16"] == 0.5  # measured: 0.5, 0.254, 0.200, 0.035, 0.023 (the per-rank payload vs fp32)
+    assert ratio["int8"] < 0.26 and ratio["topk"] < 0.21 and ratio["onebit"] < 0.04 and ratio["powersgd"] < 0.03, ratio
     assert all(r["step_ms"] > 0 and math.isfinite(r["exposed_comm_ms"]) for r in rows.values())

@@ -21,7 +21,21 @@ def runs(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ckpt")
     resume = [dict(zero_stage=1, compression=TOPK_EF, steps=2, accumulate=ACC, ckpt_dir=str(ckpt)),
               dict(zero_stage=1, compression=TOPK_EF, steps=4, accumulate=ACC, ckpt_in=str(ckpt / "epoch=0-step=2.ckpt"))]
-    return spawn(run_many, 2, SCENARIOS + resume)[0]
+    powersgd = [dict(zero_stage=z, compression={"mode": "powersgd", "rank": 2}, steps=STEPS, accumulate=ACC)
+                for z in (0, 1)]
+    return spawn(run_many, 2, SCENARIOS + resume + powersgd)[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_powersgd_factorises_each_weight_on_the_real_path(runs, zero):
+    """DDP's buckets (zero 0) and ZeRO-1's rank-major ones hand PowerSGD their parameters' shapes: one warm-start Q
+    per weight matrix (the GPT's 2-D weights), biases and norms sent uncompressed; once per optimizer step."""
+    plain, psgd = runs[3 * zero], runs[8 + zero]
+    matrices = [n for n, numel in psgd["numel"].items() if n.endswith("weight") and "ln" not in n]
+    assert len(psgd["q_factors"]) >= len(matrices) - 1, psgd["q_factors"]  # (a tied embedding/head counts once)
+    assert set(psgd["calls"].values()) == {STEPS}, psgd["calls"]
+    assert psgd["bytes"] <= 0.15 * plain["bytes"], (psgd["bytes"], plain["bytes"])
+    assert psgd["losses"] == pytest.approx(plain["losses"], rel=0.05)
 
 
 def test_resume_restores_compressor_state(runs):

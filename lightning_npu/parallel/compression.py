@@ -187,9 +187,11 @@ class Compressor:
             offset = end
         return list(out.values())
 
-    def sum(self, flat: torch.Tensor, group: Any, key: str, spec: Optional[CompressionSpec] = None) -> None:
+    def sum(self, flat: torch.Tensor, group: Any, key: str, spec: Optional[CompressionSpec] = None,
+            matrices: Optional[list[tuple[torch.Tensor, int]]] = None) -> None:
         """`flat` (fp32, this rank's bucket) <- the decompressed SUM over `group`, compressed as `spec` says
-        (default: the one spec of a compressor that has no globs)."""
+        (default: the one spec of a compressor that has no globs). `matrices` (`grad_sync.matrices_of`): the bucket's
+        gradients as matrices, which PowerSGD factorises one by one."""
         if spec is None:
             if self.per_module:
                 raise ValueError("Compressor.sum needs the bucket's spec when gradient_compression has globs.")
@@ -209,7 +211,10 @@ class Compressor:
                 residual = self.residuals[key] = torch.zeros_like(flat)
             flat.add_(residual)
             corrected = flat.clone()
-        sent = getattr(self, f"_{mode}")(flat, group, key, spec)  # what this rank contributed, decompressed
+        if mode == "powersgd":
+            sent = self._powersgd(flat, group, key, spec, matrices)
+        else:  # what this rank contributed, decompressed
+            sent = getattr(self, f"_{mode}")(flat, group, key, spec)
         if spec.error_feedback:
             torch.sub(corrected, sent, out=self.residuals[key])
 
@@ -255,30 +260,53 @@ class Compressor:
         return own
 
     # Not torch's `powerSGD_hook`/`PowerSGDState`: they take DDP GradBuckets only (zero 1 and pipeline buckets, and the
-    # glob segments of a DDP bucket, are not), compress per tensor, and key their state by DDP bucket index.
-    def _powersgd(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec) -> torch.Tensor:
+    # glob segments of a DDP bucket, are not), and key their state by DDP bucket index. The algorithm is theirs: each
+    # weight matrix factorised on its own (a bucket's rows mix unrelated parameters: no low rank to find there),
+    # tensors too small to gain left uncompressed, one batched all-reduce for all P and one for all Q, warm start.
+    def _powersgd(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec,
+                  matrices: Optional[list[tuple[torch.Tensor, int]]] = None) -> torch.Tensor:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-        rows = max(1, int(math.sqrt(flat.numel())))
-        cols = math.ceil(flat.numel() / rows)
-        matrix = torch.zeros(rows * cols, dtype=flat.dtype, device=flat.device)
-        matrix[: flat.numel()] = flat
-        matrix = matrix.view(rows, cols)
-        rank = min(spec.rank, rows, cols)
-        q = self.q_factors.get(key)
-        if q is None or q.shape != (cols, rank):
-            generator = torch.Generator().manual_seed(0)  # the same start on every rank
-            q = self.q_factors[key] = torch.randn(cols, rank, generator=generator).to(flat.device)
-        p = matrix @ q
-        dist.all_reduce(p, group=group)
-        _orthogonalize(p[None], epsilon=1e-8)  # (a batch of one matrix)
-        q_new = matrix.t() @ p
-        dist.all_reduce(q_new, group=group)
-        self.q_factors[key] = q_new.clone()  # warm start: next step begins from this Q
+        if matrices is None:  # a bucket of unknown layout: one matrix, rows the largest divisor <= sqrt(numel)
+            n = flat.numel()
+            rows = next(r for r in range(max(1, math.isqrt(n)), 0, -1) if n % r == 0)
+            matrices = [(flat.view(1, rows, n // rows), rows)]
+        own = flat.clone()  # uncompressed values are sent exactly: their residual is zero
+        compress = [(v, rows) for v, rows in matrices if _powersgd_pays(v.shape[0] * v.shape[1], v.shape[2], spec.rank)]
+        covered = torch.zeros_like(flat, dtype=torch.bool)
+        for v, _ in compress:
+            _same_view(covered, flat, v).fill_(True)
+        rest = ~covered
+        if bool(rest.any()):
+            plain = flat[rest]
+            dist.all_reduce(plain, group=group)
+            flat[rest] = plain
+        if not compress:
+            return own
+        qs = []
+        for i, (v, _) in enumerate(compress):
+            cols, rank = v.shape[2], min(spec.rank, v.shape[0] * v.shape[1], v.shape[2])
+            q = self.q_factors.get(f"{key}.{i}")
+            if q is None or q.shape != (cols, rank):
+                generator = torch.Generator().manual_seed(i)  # the same start on every rank
+                q = self.q_factors[f"{key}.{i}"] = torch.randn(cols, rank, generator=generator).to(flat.device)
+            qs.append(q)
+        ps = [torch.matmul(v, q) for (v, _), q in zip(compress, qs)]  # (parts, rows, r): M @ Q
+        p_all = torch.cat([p.flatten() for p in ps])
+        dist.all_reduce(p_all, group=group)
+        ps = [chunk.view_as(p) for chunk, p in zip(p_all.split([p.numel() for p in ps]), ps)]
+        for p in ps:
+            _orthogonalize(p.view(1, -1, p.shape[-1]), epsilon=1e-8)
+        q_all = torch.cat([torch.einsum("bmn,bmr->nr", v, p).flatten() for (v, _), p in zip(compress, ps)])
+        dist.all_reduce(q_all, group=group)
         world = dist.get_world_size(group)
-        total = (p @ q_new.t()).flatten()[: flat.numel()]
-        own = total / world  # PowerSGD's error feedback subtracts the (shared) low-rank mean from each rank's part
-        flat.copy_(total)
+        for i, ((v, rows), p, q) in enumerate(zip(compress, ps, q_all.split([q.numel() for q in qs]))):
+            q = q.view_as(qs[i])
+            self.q_factors[f"{key}.{i}"] = q.clone()  # warm start: next step begins from this Q
+            total = torch.matmul(p, q.t())  # the low-rank SUM, (parts, rows per part, cols)
+            total.view(-1, total.shape[-1])[rows:] = 0  # zero-padded rows (ZeRO-1's last chunk) stay zero
+            v.copy_(total)
+            _same_view(own, flat, v).copy_(total / world)  # error feedback keeps each rank's part minus the mean
         return own
 
     # ---- checkpoints --------------------------------------------------------------------------------------
@@ -298,6 +326,16 @@ class Compressor:
         self.residuals = dict(state.get("residuals", {}))
         self.q_factors = dict(state.get("q_factors", {}))
         return True
+
+
+def _powersgd_pays(rows: int, cols: int, rank: int) -> bool:
+    """torch's rule: compress a matrix where P and Q together are at most half its size."""
+    return min(rows, cols) > rank and 2 * (rows + cols) * rank <= rows * cols
+
+
+def _same_view(other: torch.Tensor, flat: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """`view` (a view of `flat`) as the same view of `other`, a tensor of `flat`'s shape."""
+    return other.as_strided(view.shape, view.stride(), view.storage_offset() - flat.storage_offset())
 
 
 def _chunked(flat: torch.Tensor) -> torch.Tensor:

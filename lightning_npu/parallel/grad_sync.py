@@ -63,8 +63,22 @@ class _Done:
         return fut
 
 
+def matrices_of(flat: torch.Tensor, parts: int, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """PowerSGD's view of a bucket: `flat` is `parts` equal rank-major parts (ZeRO-1's send buffer; one part
+    otherwise), each holding every parameter's dim-0 chunk, zero-padded to ceil(rows / parts) rows, back to back.
+    Each gradient becomes a (parts, rows per part, cols) view of `flat`, with its real row count."""
+    grid, out, offset = flat.view(parts, -1), [], 0
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        cols = p.numel() // rows if rows else 0
+        per_part = math.ceil(rows / parts)
+        out.append((grid[:, offset: offset + per_part * cols].view(parts, per_part, cols), rows))
+        offset += per_part * cols
+    return out
+
+
 def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = None, compressor: Any = None,
-                  key: str = "", spec: Any = None) -> Any:
+                  key: str = "", spec: Any = None, params: Optional[list[torch.Tensor]] = None, parts: int = 1) -> Any:
     """Launch the SUM of one fp32 gradient bucket over the dp `group`; returns the async work.
 
     ``out=None``: all-reduce `flat` in place. Otherwise reduce-scatter `flat` (rank-major: rank r's part is
@@ -72,10 +86,13 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
     With a `compressor` (`compression.Compressor`) the SUM is the compressed exchange of bucket `key`, run
     synchronously; a reduce-scatter is then a compressed all-reduce of which this rank keeps its chunk (the
     wire cost is the compressed all-reduce's, never more than the uncompressed reduce-scatter's for the lossy modes).
-    `spec`: the bucket's `CompressionSpec` where `gradient_compression` has per-module globs.
+    `spec`: the bucket's `CompressionSpec` where `gradient_compression` has per-module globs. `params`: the
+    parameters whose gradients `flat` holds, in `parts` rank-major parts (`matrices_of`), for PowerSGD.
     """
     if compressor is not None:
-        compressor.sum(flat, group, key, spec=spec)
+        mode = (spec or compressor.spec).mode if spec is not None or not compressor.per_module else None
+        matrices = matrices_of(flat, parts, params) if mode == "powersgd" and params is not None else None
+        compressor.sum(flat, group, key, spec=spec, matrices=matrices)
         if out is not None:
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             out.copy_(flat.view(world, -1)[rank])
@@ -212,7 +229,8 @@ class GradientBuckets:
     def _compression(self, bucket: _Bucket) -> dict[str, Any]:
         if self.compressor is None or bucket.spec is None:
             return {}  # uncompressed (with globs: parameters that no glob compresses)
-        return {"compressor": self.compressor, "key": self._key(bucket), "spec": bucket.spec}
+        return {"compressor": self.compressor, "key": self._key(bucket), "spec": bucket.spec, "params": bucket.params,
+                "parts": self.dp if self.shard else 1}
 
     def _key(self, bucket: _Bucket) -> str:
         return f"{self.key_prefix}.{self.buckets.index(bucket)}"
@@ -316,7 +334,7 @@ def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks 
     if compressor is not None and compressor.per_module:
         fut = _reduce_segments(flat, bucket.parameters(), state.group, compressor, key)
     else:
-        fut = reduce_bucket(flat, state.group, compressor=compressor, key=key).get_future()
+        fut = reduce_bucket(flat, state.group, compressor=compressor, key=key, params=bucket.parameters()).get_future()
     world = dist.get_world_size(state.group)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
@@ -339,7 +357,8 @@ def _reduce_segments(flat: torch.Tensor, params: list[torch.Tensor], group: Any,
         if spec is None:
             work = reduce_bucket(part, group)
         else:
-            work = reduce_bucket(part, group, compressor=compressor, key=f"{key}.{name}", spec=spec)
+            work = reduce_bucket(part, group, compressor=compressor, key=f"{key}.{name}", spec=spec,
+                                 params=[p for p in params if compressor.group_of(p) == name])
         pending.append((work, part, ranges))
 
     def unpack(_: Any) -> torch.Tensor:  # every segment's future is done (no Work.wait() in a callback: it hangs)
