@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -83,7 +84,8 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "lightning": L.__version__,
         "python": platform.python_version(),
-        "cpu_count": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
 
