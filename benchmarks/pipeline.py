@@ -10,7 +10,7 @@ Lightning's loop. Per rank and timed step it measures:
   measured idle fraction ``1 - busy / step`` of the busier rank is compared with the bubble model
   ``(P-1)/(M+P-1)``, and the model's step time ``busy * (M+P-1)/M`` with the measured one;
 * the peak bytes of activations autograd holds for backward (saved tensors, parameters excluded,
-  each storage counted once; via `torch.autograd.graph.saved_tensors_hooks`) and the peak number of
+  each storage counted once; `lightning_npu.memory.SavedActivations`) and the peak number of
   micro-batches in flight (forwarded, not yet backwarded) on the stage.
 
 A 1-process run (P=1, same global batch, 1 thread like each pp rank) gives the non-pipelined step time.
@@ -33,54 +33,12 @@ import torch  # noqa: E402
 
 from benchmarks._common import environment, median, run_gpt, write_json  # noqa: E402
 from lightning_npu.launch import spawn  # noqa: E402
+from lightning_npu.memory import SavedActivations, storage_keys  # noqa: E402
 from lightning_npu.parallel.pipeline import bubble_fraction  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, bias=False)
 GLOBAL_BATCH = 16
 PP = 2
-
-
-class _SavedTracker:
-    """Live bytes of autograd-saved activations (unique storages, parameters excluded) and their peak."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.refs: dict[int, list[int]] = {}  # storage ptr -> [nbytes, refcount]
-        self.live = 0
-        self.peak = 0
-
-    def pack(self, t: torch.Tensor) -> Any:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.exclude or storage.nbytes() == 0:
-            return t
-        entry = self.refs.setdefault(ptr, [storage.nbytes(), 0])
-        if entry[1] == 0:
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-        entry[1] += 1
-        return _Held(t, ptr, self)
-
-    @staticmethod
-    def unpack(obj: Any) -> torch.Tensor:
-        return obj.t if isinstance(obj, _Held) else obj
-
-    def release(self, ptr: int) -> None:
-        entry = self.refs[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.refs[ptr]
-
-
-class _Held:
-    __slots__ = ("t", "ptr", "tracker")
-
-    def __init__(self, t: torch.Tensor, ptr: int, tracker: _SavedTracker) -> None:
-        self.t, self.ptr, self.tracker = t, ptr, tracker
-
-    def __del__(self) -> None:
-        self.tracker.release(self.ptr)
 
 
 class PipelineProbe(L.Callback):
@@ -95,8 +53,7 @@ class PipelineProbe(L.Callback):
         self._busy = 0.0
         self._in_flight = 0
         self._max_in_flight = 0
-        self._ctx: Any = None
-        self._tracker: Any = None
+        self._meter: Any = None  # lightning_npu.memory.SavedActivations of the step
 
     def _install(self, runner: Any) -> None:
         for key, schedule in runner._schedules.items():
@@ -131,18 +88,16 @@ class PipelineProbe(L.Callback):
         if not self._installed:
             self._install(runner)
         self._busy, self._in_flight, self._max_in_flight = 0.0, 0, 0
-        params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
-        self._tracker = _SavedTracker(params)
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._tracker.pack, self._tracker.unpack)
-        self._ctx.__enter__()
+        self._meter = SavedActivations(ignore=storage_keys(pl_module.parameters()))
+        self._meter.start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._ctx is None:
+        meter, self._meter = self._meter, None
+        if meter is None:
             return
-        self._ctx.__exit__(None, None, None)
-        self._ctx = None
+        meter.stop()
         self.busy.append(self._busy)
-        self.peak_bytes.append(self._tracker.peak)
+        self.peak_bytes.append(meter.peak)
         self.peak_in_flight.append(self._max_in_flight)
 
 
