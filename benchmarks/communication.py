@@ -124,6 +124,7 @@ def train_arm(arm: str, steps: int, devices: int, num_nodes: int, model_kwargs: 
     from examples.gpt.model import GPTModule
     from lightning_npu import NPUHybridStrategy
     from lightning_npu.parallel import grad_sync
+    from lightning_npu.parallel.hierarchical import DoneWork
     from tests._compression_workers import Wire
 
     L.seed_everything(0, verbose=False)
@@ -144,7 +145,7 @@ def train_arm(arm: str, steps: int, devices: int, num_nodes: int, model_kwargs: 
                 flat.mul_(dist.get_world_size(group))
                 if out is not None:
                     out.copy_(flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
-                return grad_sync._Done(flat if out is None else out)
+                return DoneWork(flat if out is None else out)
             grad_sync.reduce_bucket = local
         try:
             trainer.fit(model, datamodule=data)

@@ -14,7 +14,6 @@ from lightning_npu.parallel.compression import (
     parse_compression,
     spec_for,
 )
-from lightning_npu.parallel.grad_sync import matrices_of
 
 N, STEPS = 100_003, 6  # an odd size: chunks and bit packing pad
 BOUNDS = {"bf16": 0.52, "int8": 0.27, "topk": 0.21, "onebit": 0.05}
@@ -59,9 +58,8 @@ def _run(spec: CompressionSpec) -> dict:
         true_total += both[0] + both[1]
         flat = g.clone()
         # PowerSGD sees the bucket as a 301 x 331 weight and a bias (what the other modes ignore)
-        matrices = matrices_of(flat, 1, [torch.empty(301, 331), torch.empty(372)]) if spec.mode == "powersgd" else None
         with _Wire() as w:
-            compressor.sum(flat, None, "bucket0", matrices=matrices)
+            compressor.sum(flat, None, "bucket0", params=[torch.empty(301, 331), torch.empty(372)])
         wire.append(w.bytes)
         reduced_total += flat
     residual = compressor.residuals.get("bucket0", torch.zeros(N)).clone()
@@ -76,7 +74,7 @@ SHAPES = [(7, 12), (12,), (9, 5, 2), (16, 16)]  # odd rows: ZeRO-1's two parts p
 def _powersgd_rank1() -> dict:
     """Rank-1 gradients on every rank: PowerSGD, factorising each matrix on its own, returns their exact sum, in one
     part (DDP, pipeline buckets) and in ZeRO-1's two rank-major zero-padded parts; one matrix over the whole bucket
-    (no layout given) cannot. Returns the largest error per layout."""
+    (the whole bucket as one matrix) cannot. Returns the largest error per layout."""
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(0)
     factors = [(torch.randn(s[0], generator=gen), torch.randn(torch.Size(s[1:]).numel(), generator=gen)) for s in SHAPES]
@@ -87,7 +85,7 @@ def _powersgd_rank1() -> dict:
 
     params = [torch.empty(s) for s in SHAPES]
     errors = {}
-    for name, parts in (("one part", 1), ("zero1 parts", 2), ("no layout", 1)):
+    for name, parts in (("one part", 1), ("zero1 parts", 2), ("one matrix", 1)):
         def bucket(gs: list[torch.Tensor]) -> torch.Tensor:
             rows = sum(-(-g.shape[0] // parts) * (g.numel() // g.shape[0]) for g in gs)
             out = torch.empty(parts, rows)
@@ -96,7 +94,8 @@ def _powersgd_rank1() -> dict:
 
         flat, want = bucket(grads(rank)), bucket([a + b for a, b in zip(grads(0), grads(1))])
         compressor = Compressor(CompressionSpec("powersgd", rank=1))
-        compressor.sum(flat, None, "b", matrices=None if name == "no layout" else matrices_of(flat, parts, params))
+        whole = [torch.empty(17, flat.numel() // 17)]  # (the bucket's 442 values: 17 x 26)
+        compressor.sum(flat, None, "b", params=whole if name == "one matrix" else params, parts=parts)
         errors[name] = float((flat - want).abs().max() / want.abs().max())
     return errors
 
@@ -147,7 +146,7 @@ def test_error_feedback_loses_nothing(ranks, mode):
 def test_powersgd_factorises_each_matrix(ranks):
     errors = ranks[0]["powersgd_rank1"]
     assert errors["one part"] < 1e-5 and errors["zero1 parts"] < 1e-5, errors
-    assert errors["no layout"] > 1e-2, errors  # one matrix over mixed parameters has no rank-1 structure
+    assert errors["one matrix"] > 1e-2, errors  # one matrix over mixed parameters has no rank-1 structure
 
 
 def test_every_rank_gets_the_same_sum(ranks):

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_npu.parallel.grad_sync import all_gather_into
+from lightning_npu.parallel.grad_sync import all_gather_into, matrices_of
 
 MODES = ("bf16", "int8", "topk", "onebit", "powersgd")
 CHUNK = 256  # values per int8/onebit scale
@@ -188,10 +188,10 @@ class Compressor:
         return list(out.values())
 
     def sum(self, flat: torch.Tensor, group: Any, key: str, spec: Optional[CompressionSpec] = None,
-            matrices: Optional[list[tuple[torch.Tensor, int]]] = None) -> None:
+            params: Optional[list[torch.Tensor]] = None, parts: int = 1) -> None:
         """`flat` (fp32, this rank's bucket) <- the decompressed SUM over `group`, compressed as `spec` says
-        (default: the one spec of a compressor that has no globs). `matrices` (`grad_sync.matrices_of`): the bucket's
-        gradients as matrices, which PowerSGD factorises one by one."""
+        (default: the one spec of a compressor that has no globs). `params`: the parameters whose gradients `flat`
+        holds in `parts` rank-major parts (`grad_sync.matrices_of`), which PowerSGD factorises one by one."""
         if spec is None:
             if self.per_module:
                 raise ValueError("Compressor.sum needs the bucket's spec when gradient_compression has globs.")
@@ -212,7 +212,7 @@ class Compressor:
             flat.add_(residual)
             corrected = flat.clone()
         if mode == "powersgd":
-            sent = self._powersgd(flat, group, key, spec, matrices)
+            sent = self._powersgd(flat, group, key, spec, params, parts)
         else:  # what this rank contributed, decompressed
             sent = getattr(self, f"_{mode}")(flat, group, key, spec)
         if spec.error_feedback:
@@ -264,13 +264,12 @@ class Compressor:
     # weight matrix factorised on its own (a bucket's rows mix unrelated parameters: no low rank to find there),
     # tensors too small to gain left uncompressed, one batched all-reduce for all P and one for all Q, warm start.
     def _powersgd(self, flat: torch.Tensor, group: Any, key: str, spec: CompressionSpec,
-                  matrices: Optional[list[tuple[torch.Tensor, int]]] = None) -> torch.Tensor:
+                  params: Optional[list[torch.Tensor]], parts: int) -> torch.Tensor:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-        if matrices is None:  # a bucket of unknown layout: one matrix, rows the largest divisor <= sqrt(numel)
-            n = flat.numel()
-            rows = next(r for r in range(max(1, math.isqrt(n)), 0, -1) if n % r == 0)
-            matrices = [(flat.view(1, rows, n // rows), rows)]
+        if params is None:
+            raise ValueError("PowerSGD factorises each gradient: Compressor.sum needs the bucket's `params`.")
+        matrices = matrices_of(flat, parts, params)
         own = flat.clone()  # uncompressed values are sent exactly: their residual is zero
         compress = [(v, rows) for v, rows in matrices if _powersgd_pays(v.shape[0] * v.shape[1], v.shape[2], spec.rank)]
         covered = torch.zeros_like(flat, dtype=torch.bool)

@@ -48,21 +48,6 @@ def all_gather_into(*args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-class _Done:
-    """The work of a bucket reduced synchronously (compressed): already complete."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self.result = result
-
-    def wait(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result([self.result])
-        return fut
-
-
 def matrices_of(flat: torch.Tensor, parts: int, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """PowerSGD's view of a bucket: `flat` is `parts` equal rank-major parts (ZeRO-1's send buffer; one part
     otherwise), each holding every parameter's dim-0 chunk, zero-padded to ceil(rows / parts) rows, back to back.
@@ -90,13 +75,11 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
     parameters whose gradients `flat` holds, in `parts` rank-major parts (`matrices_of`), for PowerSGD.
     """
     if compressor is not None:
-        mode = (spec or compressor.spec).mode if spec is not None or not compressor.per_module else None
-        matrices = matrices_of(flat, parts, params) if mode == "powersgd" and params is not None else None
-        compressor.sum(flat, group, key, spec=spec, matrices=matrices)
+        compressor.sum(flat, group, key, spec=spec, params=params, parts=parts)
         if out is not None:
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             out.copy_(flat.view(world, -1)[rank])
-        return _Done(flat if out is None else out)
+        return hierarchical.DoneWork(flat if out is None else out)  # compressed: synchronous
     if out is None:
         hierarchy = hierarchical.for_group(group)  # intra-node, inter-node, intra-node (hierarchical_allreduce)
         if hierarchy is not None and hierarchy.applies(flat):

@@ -71,11 +71,12 @@ class HierarchicalAllReduce:
             return work
         work.wait()
         flat.copy_(buf[:numel].view_as(flat))
-        return _Done(flat)
+        return DoneWork(flat)
 
 
-class _Done:
-    """A completed work (the padded path copied the result back already), for callers that wait or chain."""
+class DoneWork:
+    """A collective's work that is already complete (a synchronous or copied-back result), for callers that wait or
+    chain on it as on torch's async work."""
 
     def __init__(self, value: torch.Tensor) -> None:
         self.value = value
