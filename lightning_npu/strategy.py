@@ -13,7 +13,6 @@ import atexit
 import functools
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
@@ -48,7 +47,7 @@ from lightning_npu.parallel.optimizer import (
     wrap_lr_schedulers,
 )
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
-from lightning_npu.parallel.tensor import is_tensor_parallel, shard_optimizer_state_dict
+from lightning_npu.parallel.tp_shards import shard_optimizer_state
 
 
 class NPUHybridStrategy(DDPStrategy):
@@ -578,15 +577,15 @@ class NPUHybridStrategy(DDPStrategy):
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 load_full_optimizer_state_dict(self.lightning_module, optimizer, state)
             return
-        if is_tensor_parallel(self.lightning_module):  # full optimizer tensors -> this rank's tp shards
-            def holder(opt: Any) -> Any:  # what the full state is indexed by: the model's parameters
-                opt = unwrap_optimizer(opt)
-                return SimpleNamespace(param_groups=[{"params": opt.model_params}]) if hasattr(opt, "model_params") \
-                    else opt
+        def params(opt: Any) -> list[Any]:  # what the full state is indexed by: the model's parameters
+            opt = unwrap_optimizer(opt)
+            model_of = {id(m): p for p, m in getattr(opt, "master_pairs", ())}  # fp32 masters of 16-bit params
+            return [model_of.get(id(p), p) for p in getattr(opt, "model_params", None)
+                    or [p for g in opt.param_groups for p in g["params"]]]
 
-            checkpoint = {**checkpoint, "optimizer_states": [
-                shard_optimizer_state_dict(holder(opt), s) for opt, s in zip(self.optimizers, checkpoint["optimizer_states"])
-            ]}
+        checkpoint = {**checkpoint, "optimizer_states": [  # full tensors -> this rank's tp shards
+            shard_optimizer_state(self.lightning_module, params(opt), s)
+            for opt, s in zip(self.optimizers, checkpoint["optimizer_states"])]}
         super().load_optimizer_state_dict(checkpoint)
 
     def teardown(self) -> None:

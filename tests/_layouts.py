@@ -4,7 +4,8 @@ Each row is `(name, devices, strategy kwargs, precision, checks)`. `run_layout` 
 row's layout in real processes; the tests compare what it returns with the one-process row of the same
 precision. Checks a row can ask for:
 
-- ``parity``: logged losses per step and the final full state equal the reference's (fp32);
+- ``parity``: logged losses per step, the final full state and the full optimizer state (torch's format, as a
+  single-file checkpoint holds it) equal the reference's (fp32);
 - ``guard``: GradientHealthGuard's ``health/grad_norm`` equals the reference's global norm, the norm the
   precision plugin clipped with (one statistics function) and `lightning_npu.grad_norm` of the model's ``.grad``;
 - ``guard_loss``: ``health/loss`` equals the logged ``train_loss`` (the training loss, not loss x scale);
@@ -23,6 +24,7 @@ import lightning_npu
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import GradientHealthGuard
+from lightning_npu.parallel.full_state import full_optimizer_state_dict
 from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 
@@ -97,7 +99,8 @@ def run_layout(layout: Layout) -> dict[str, Any]:
         precision=layout.precision, gradient_clip_val=CLIP, log_every_n_steps=1,
     )
     trainer.fit(model, datamodule=data)
-    out: dict[str, Any] = {"rows": recorder.rows, "state": lightning_npu.full_state_dict(model)}
+    out: dict[str, Any] = {"rows": recorder.rows, "state": lightning_npu.full_state_dict(model),
+                           "optimizer": full_optimizer_state_dict(model, trainer.optimizers[0])["state"]}
     if "full_state" in layout.checks:
         out["round_trip_error"] = _round_trip(model)
     return out

@@ -11,13 +11,12 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel.optimizer import unwrap_optimizer
-from lightning_npu.parallel.tensor import shard_spec
+from lightning_npu.parallel.tp_shards import full_tensor
 
 GLOBAL_BATCH, ACCUMULATE, STEPS, LR = 8, 2, 2, 0.1
 TOTAL = "grad_2.0_norm_total"
@@ -25,13 +24,7 @@ TOTAL = "grad_2.0_norm_total"
 
 def full_grad(p: torch.Tensor) -> torch.Tensor:
     """The whole gradient of `p` (gathered from dp slices and tp shards): collective."""
-    g = p.grad
-    if isinstance(g, DTensor):
-        g = g.full_tensor()
-    spec = shard_spec(p)
-    if spec is not None and not isinstance(p, DTensor):  # a plain local tp shard (zero 0/1)
-        g = DTensor.from_local(g, spec.mesh, spec.placements, shape=spec.shape, stride=spec.stride).full_tensor()
-    return g.detach().float().clone()
+    return full_tensor(p.grad, p).detach().float().clone()
 
 
 class Net(BoringModel):

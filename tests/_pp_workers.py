@@ -11,7 +11,7 @@ import lightning_npu  # noqa: F401
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel.tensor import gather_shards, is_tensor_parallel
+from lightning_npu.parallel.tp_shards import full_tensors
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
 # 4 blocks: room for pp=2 x 2 virtual stages (interleaved 1F1B)
@@ -61,7 +61,7 @@ def train_pp(
     else:
         with torch.no_grad():
             logits = model(next(iter(loader))[0])
-    state = gather_shards(model) if is_tensor_parallel(model) else model.state_dict()
+    state = full_tensors(model, model.state_dict())  # this stage's part, tp shards gathered
     runner = getattr(trainer.strategy, "_pipeline", None)
     return {
         "logged": recorder.logged,

@@ -12,7 +12,7 @@ import lightning_npu
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel.tensor import is_tensor_parallel
+from lightning_npu.parallel.tp_shards import tensor_parallel_parameter_names
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 
 
@@ -73,7 +73,7 @@ def train_tp(
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
-    sharded = is_tensor_parallel(model)
+    sharded = bool(tensor_parallel_parameter_names(model))
     local_numel = sum(p.numel() for p in model.parameters())
     state = lightning_npu.full_state_dict(model)
     return {

@@ -47,5 +47,10 @@ def test_layout(layout):
             assert got["state"].keys() == ref["state"].keys(), f"rank {rank}"
             for key, value in ref["state"].items():
                 torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL, msg=f"rank {rank}: {key}")
+            assert got["optimizer"].keys() == ref["optimizer"].keys(), f"rank {rank}"
+            for index, entry in ref["optimizer"].items():  # AdamW's moments, fused projections un-fused
+                for name, value in entry.items():
+                    torch.testing.assert_close(got["optimizer"][index][name], value, rtol=RTOL, atol=ATOL,
+                                               msg=f"rank {rank}: optimizer state {index}.{name}")
         if "full_state" in layout.checks:
             assert got["round_trip_error"] == 0.0, f"rank {rank}"

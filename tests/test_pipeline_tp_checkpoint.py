@@ -17,7 +17,7 @@ import torch
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.checkpoint import consolidate_model_state
 from lightning_npu.parallel.config import ParallelConfig
-from lightning_npu.parallel.tensor import unfuse_full_tensors
+from lightning_npu.parallel.tp_shards import unfuse_full_tensors
 from tests._pp_tp_workers import run_many
 from tests.test_pipeline_zero import STEP3, assert_losses, assert_same, merged
 

@@ -64,7 +64,8 @@ from torch.optim import Optimizer
 from lightning_npu.parallel import commit as _commit
 from lightning_npu.parallel.commit import CommitRequest, new_token, temp_path  # noqa: F401  (public here too)
 from lightning_npu.parallel.optimizer import unwrap_optimizer
-from lightning_npu.parallel.tensor import fused_layout, shard_spec
+from lightning_npu.parallel import tp_shards
+from lightning_npu.parallel.tp_shards import fused_layout
 
 log = logging.getLogger(__name__)
 
@@ -88,35 +89,28 @@ class CheckpointMismatchError(RuntimeError):
 
 
 # ---- layout-independent state dicts ----------------------------------------------------------
-def _tp_specs(module: torch.nn.Module) -> dict[str, Any]:
-    """FQN -> ShardSpec of tensor-parallel parameters held as plain local shards (ZeRO 0/1 under TP)."""
-    return {n: shard_spec(p) for n, p in module.named_parameters(remove_duplicate=False) if shard_spec(p) is not None}
-
-
-def _view(spec: Any, local: torch.Tensor) -> Any:
-    """A DTensor over `local`'s storage: DCP writes its global offsets and loads in place."""
-    view = spec.to_dtensor(local)
-    view._lnpu_view = True
+def _view(value: Any, param: Optional[torch.Tensor]) -> Any:
+    """`value` as a DTensor over its own storage where `param` is a local tp shard (`tp_shards.as_dtensor`):
+    DCP writes its global offsets and loads in place; `_settle` hands the local tensor back."""
+    view = tp_shards.as_dtensor(value, param) if param is not None else value
+    if view is not value:
+        view._lnpu_view = True
     return view
 
 
 def model_state_dict(module: torch.nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, Any]:
     """The module's state dict as this rank holds it, keyed by FQN whatever the layout.
 
-    DTensor shards under ZeRO 3 / TP; tensor-parallel local shards as DTensor views of themselves;
+    DTensor shards under ZeRO 3 / TP (local tp shards as DTensor views of themselves);
     parameters a ZeRO-1 `DistributedOptimizer` steps as its fp32 master slices (the exact weights).
     """
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
     params = dict(module.named_parameters(remove_duplicate=False))
     masters = [o for o in map(unwrap_optimizer, optimizers) if hasattr(o, "master_of")]
-    specs = _tp_specs(module)
     for key, value in sd.items():
         param = params.get(key)
         master = next((m for m in (o.master_of(param) for o in masters) if m is not None), None) if param is not None else None
-        if master is not None:
-            sd[key] = master
-        elif key in specs and isinstance(value, torch.Tensor):
-            sd[key] = _view(specs[key], value)
+        sd[key] = master if master is not None else _view(value, param)
     return sd
 
 
@@ -126,16 +120,10 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[
     if hasattr(local, "sharded_state_dict"):
         return local.sharded_state_dict()  # ZeRO-1 DistributedOptimizer: DTensor slices
     osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
-    specs = _tp_specs(module)
-    if specs:
-        params = dict(module.named_parameters(remove_duplicate=False))
-        for key, value in osd.items():
-            if not key.startswith("state."):
-                continue
-            fqn = key[len("state."):].rsplit(".", 1)[0]
-            spec = specs.get(fqn)
-            if spec is not None and isinstance(value, torch.Tensor) and value.shape == params[fqn].shape:
-                osd[key] = _view(spec, value)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for key, value in osd.items():
+        if key.startswith("state."):
+            osd[key] = _view(value, params.get(key[len("state."):].rsplit(".", 1)[0]))
     return osd
 
 
@@ -535,7 +523,7 @@ def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[di
         raise CheckpointMismatchError(f"{str(path)!r} holds no model tensors (no '{MODEL_KEY}.*' entries).")
     dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     # fused projections (q|k|v, gate|up) saved under tp > 1 are stored rank-major: back to the model's layout
-    from lightning_npu.parallel.tensor import unfuse_full_tensors
+    from lightning_npu.parallel.tp_shards import unfuse_full_tensors
 
     full = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()},
                                (meta.get("lightning_npu") or {}).get("fused") or {})
@@ -552,7 +540,7 @@ def fused_layout_changes(meta: dict[str, Any], module: torch.nn.Module) -> bool:
     """Whether the checkpoint stores fused projections (q|k|v, gate|up) in another layout than `module` uses.
 
     Under ZeRO 2/3 x TP the DCP tensors are the parameters' DTensors, whose fused projections are reordered
-    rank-major for the saving tp size (``lightning_npu.parallel.tensor``); any other tp size needs
+    rank-major for the saving tp size (`tp_shards`); any other tp size needs
     :func:`load_sharded_relayout`."""
     saved = (meta.get("lightning_npu") or {}).get("fused") or {}
     current = fused_layout(module)
@@ -575,7 +563,7 @@ def load_sharded_relayout(
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from lightning_npu.parallel.tensor import refuse_fused, unfuse_full_tensors
+    from lightning_npu.parallel.tp_shards import refuse_fused, unfuse_full_tensors
 
     path = resolve_checkpoint_path(path)
     if not is_sharded_checkpoint(path):

@@ -45,15 +45,13 @@ def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
 def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> dict[str, torch.Tensor]:
     """`lightning_npu.full_state_dict`, with ZeRO-1's fp32 master slices gathered in place of 16-bit parameters
     (the exact weights, as the sharded form stores them). A collective."""
-    from lightning_npu.parallel.full_state import _full, full_state_dict
-    from lightning_npu.parallel.tensor import shard_spec
+    from lightning_npu.parallel.full_state import full_state_dict
+    from lightning_npu.parallel.tp_shards import full_tensors
 
     state = full_state_dict(module)
-    params = dict(module.named_parameters(remove_duplicate=False))
     for opt in distributed_optimizers:
-        for fqn, master in opt.master_state_dict().items():
-            if fqn in state and state[fqn].dtype != master.dtype:
-                state[fqn] = _full(master, shard_spec(params[fqn]))
+        masters = {fqn: m for fqn, m in opt.master_state_dict().items() if fqn in state and state[fqn].dtype != m.dtype}
+        state.update({k: v.detach().cpu().clone() for k, v in full_tensors(module, masters).items()})
     return state
 
 
@@ -230,7 +228,7 @@ def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[
 
     from lightning_npu.parallel import checkpoint as ckpt
     from lightning_npu.parallel.full_state import _indexed
-    from lightning_npu.parallel.tensor import unfuse_full_tensors
+    from lightning_npu.parallel.tp_shards import unfuse_full_tensors
 
     stored = ckpt.checkpoint_tensor_metadata(path)
     fused = (meta.get("lightning_npu") or {}).get("fused") or {}

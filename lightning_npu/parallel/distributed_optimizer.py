@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from lightning_npu.parallel.grad_sync import GradientBuckets, all_gather_into
 from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
-from lightning_npu.parallel.tensor import shard_spec
+from lightning_npu.parallel.tp_shards import sharding_of
 
 
 # optimizers whose update of an element depends only on that element's gradient and state
@@ -115,9 +115,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     bucket.local_view(flat, s).copy_(s.param.detach()[s.start : s.start + s.rows])
                 master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param))
                 master._lnpu_master = True  # checkpoints store it in place of the parameter
-                for attr, value in vars(s.param).items():
-                    if attr.startswith("_lnpu") and shard_spec(s.param) is not value:  # (a DTensor needs no tp shard spec)
-                        setattr(master, attr, value)
                 self._shard_of[id(s.param)] = master
                 self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param)
                 if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
@@ -150,7 +147,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
-        spec = shard_spec(param)
+        spec = sharding_of(param)
         if spec is None:
             return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
                                       stride=param.stride())

@@ -13,15 +13,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel import tensor as tp
+from lightning_npu.parallel import tp_shards
 from lightning_npu.parallel.optimizer import masters_as_parameters, unwrap_optimizer
-
-
-def _has_dtensor_params(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _optimizers(module: nn.Module) -> list[Any]:
@@ -36,16 +31,7 @@ def _masters_as_parameters(module: nn.Module) -> Any:
 
 def _local_full_state(module: nn.Module) -> dict[str, Any]:
     """This rank's model part (its pipeline stage) with tp / dp shards gathered: full tensors."""
-    if _has_dtensor_params(module):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        return tp.unfuse_full_tensors(state, tp.fused_layout(module))
-    if tp.is_tensor_parallel(module):
-        return tp.gather_shards(module)
-    # FSDP2 (ZeRO 2) leaves plain unsharded parameters after a forward outside training, yet its state dict holds
-    # DTensor shards: gather those too
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+    return tp_shards.full_tensors(module, module.state_dict())
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -91,16 +77,7 @@ def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool 
             )
     state = {k: v for k, v in state.items() if k in own}
     with _masters_as_parameters(module):
-        if _has_dtensor_params(module):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            fused = tp.fused_layout(module)
-            set_model_state_dict(module, tp.refuse_fused(state, fused),
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
-        elif tp.is_tensor_parallel(module):
-            tp.load_into_shards(module, state, strict=False)
-        else:
-            module.load_state_dict(state, strict=False)
+        tp_shards.load_full_tensors(module, state)
     _refresh_distributed_optimizers(module)
 
 
@@ -120,15 +97,6 @@ def _param_fqns(module: nn.Module, optimizer: Any) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
 
 
-def _full(value: Any, spec: Any) -> Any:
-    """A full, original-layout tensor of one optimizer state entry (a collective for DTensors)."""
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-        if spec is not None and spec.fused is not None:  # tp shards of fused projections are kept rank-major
-            value = tp._part_major(value, spec.fused[0], spec.fused[1], spec.mesh.size())
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
 def full_optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, Any]:
     """`optimizer.state_dict()` as a 1-process run of the same model would have it: ``state`` indexed by the
     position of each parameter in the groups, full tensors in the original layout, and ``param_groups``. A
@@ -141,10 +109,8 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, An
     groups = optimizer_groups(module, optimizer)
     with masters_as_parameters(module, [optimizer]):  # 16-bit params' fp32 masters are keyed by the params' FQNs
         flat = optimizer_state_dict(module, optimizer)
-        specs = {n: tp.shard_spec(p) for n, p in module.named_parameters(remove_duplicate=False)}
-        state = {k: _full(v, specs.get(k[len("state."):].rsplit(".", 1)[0]))
-                 for k, v in flat.items() if k.startswith("state.")}
-    state = tp.unfuse_full_tensors(state, tp.fused_layout(module), "state.")
+        state = tp_shards.full_tensors(module, {k: v for k, v in flat.items() if k.startswith("state.")}, "state.")
+    state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     group = gn.pipeline_group(getattr(module, "_device_mesh", None))
     if group is not None:  # each stage holds the state of its own parameters
         parts: list[Any] = [None] * dist.get_world_size(group)
@@ -195,7 +161,7 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict
             raise ValueError("The checkpoint's optimizer state does not match this optimizer's parameters (count "
                              "differs); resume with the same `configure_optimizers`.")
         flat = {f"state.{fqns[i]}.{name}": v for i, entry in state_dict["state"].items() for name, v in entry.items()}
-        flat = tp.refuse_fused(flat, tp.fused_layout(module), "state.")
+        flat = tp_shards.refuse_fused(flat, tp_shards.fused_layout(module), "state.")
         state: dict[str, dict[str, Any]] = {}
         for key, value in flat.items():
             fqn, name = key[len("state."):].rsplit(".", 1)

@@ -5,7 +5,7 @@ tensor parallelism), sharded (a DTensor with ``Shard`` placements under TP or FS
 owned by one pipeline stage. The global L2 norm must count every element exactly once:
 
 * plain tensors are treated as replicated over ``dp`` and ``tp`` and owned by this pipeline stage;
-* a DTensor's (or a local tensor-parallel shard's: `lightning_npu.parallel.tensor.sharding_of` says which)
+* a sharded parameter's (`tp_shards.sharding_of`, whatever holds the shard)
   local squared sum is all-reduced over exactly the mesh dims it is *sharded* on
   (``Replicate`` dims are not reduced, so replicas are not double-counted; pending ``Partial``
   gradients are reduced first);
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_npu.parallel.tensor import sharding_of
+from lightning_npu.parallel.tp_shards import sharding_of
 
 try:  # DTensor is public from torch 2.5
     from torch.distributed.tensor import DTensor, Replicate
@@ -69,7 +69,7 @@ def _global_moments(pairs: Iterable[tuple[Tensor, Optional[Tensor]]], pp_group: 
         key = None
         sharding = sharding_of(p)
         if sharding is not None:
-            mesh, placements = sharding
+            mesh, placements = sharding.mesh, sharding.placements
             shard_dims = tuple(i for i, pl in enumerate(placements) if _is_sharded(pl))
             if shard_dims:
                 key = (id(mesh), shard_dims)
@@ -151,14 +151,15 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str],
 
 def _reduction_groups(param: Tensor, grad: Tensor) -> tuple[Any, ...]:
     """The process groups a gradient's elements are spread over (each to be summed over once)."""
-    groups: list[Any] = []
-    if _is_dtensor(grad):
-        mesh = grad.device_mesh
-        groups += [mesh.get_group(i) for i, pl in enumerate(grad.placements) if _is_sharded(pl)]
-    if not _is_dtensor(param) and sharding_of(param) is not None:  # a plain local tp shard (zero 0/1)
-        mesh, placements = sharding_of(param)
-        groups += [mesh.get_group(i) for i, pl in enumerate(placements) if _is_sharded(pl)]
-    return tuple(groups)
+    groups: dict[int, Any] = {}
+    # the gradient's own sharding (dp slices) and its parameter's (tp): the same groups once where they agree
+    for sharding in (sharding_of(grad), sharding_of(param)):
+        if sharding is not None:
+            for i, pl in enumerate(sharding.placements):
+                if _is_sharded(pl):
+                    group = sharding.mesh.get_group(i)
+                    groups.setdefault(id(group), group)
+    return tuple(groups.values())
 
 
 def _per_parameter_norms(named: Sequence[tuple[str, Tensor]], p: float) -> Tensor:

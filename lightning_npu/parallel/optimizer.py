@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_npu.parallel import grad_norm as gn
+from lightning_npu.parallel import tp_shards
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -49,9 +50,7 @@ def _install_masters(optimizer: Optimizer) -> list[tuple[Tensor, nn.Parameter]]:
         for p in group["params"]:
             if p.dtype in _HALF and id(p) not in mapping:
                 master = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
-                for attr, value in vars(p).items():  # e.g. the tensor-parallel shard spec: the norm counts it
-                    if attr.startswith("_lnpu"):
-                        setattr(master, attr, value)
+                tp_shards.share_layout(master, p)  # a tp shard's master is one too: the norm counts it so
                 mapping[id(p)] = master
                 pairs.append((p, master))
     if not pairs:

@@ -97,23 +97,22 @@ def apply_fused_ops(model: nn.Module, device: torch.device, cfg_fuse: Any = True
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> list[str]:
     """Shard over ``mesh["tp"]``; returns the names of the tp-sharded parameters.
 
-    ``localize`` (zero 0/1): the parameters become plain local shards that each module re-wraps as DTensors
-    around its forward (DDP and the ZeRO-1 buckets reduce them like any tensor). Under zero 2/3 they stay
-    DTensors, which FSDP2 makes 2-D ``(dp, tp)``. Either way the fused projections' layout is recorded as
-    `tensor.fused_layout` (FQN -> (dim, parts, tp)) for full-tensor state dicts.
+    ``localize`` (zero 0/1): the parameters are stored as plain local shards (`tp_shards` says why); under
+    zero 2/3 they stay DTensors, which FSDP2 makes 2-D ``(dp, tp)``.
     """
     from lightning_npu.parallel import tensor as tp
+    from lightning_npu.parallel import tp_shards
 
     model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
     if plan is None or not plan.styles:
         return []
     if not plan.applied:
         tp.apply_tensor_parallel(model, mesh["tp"], plan)
-        fused = tp.fused_parameters(model)  # read from the DTensor parameters, before localizing or FSDP2
+        fused = tp_shards.fused_parameters(model)  # read from the DTensor parameters, before localizing or FSDP2
         if localize:
-            tp.localize_parameters(model)
-        tp.set_fused_layout(model, fused)
-    return tp.tensor_parallel_parameter_names(model)
+            tp_shards.localize_parameters(model)
+        tp_shards.set_fused_layout(model, fused)
+    return tp_shards.tensor_parallel_parameter_names(model)
 
 
 def apply_ac(model: nn.Module, policy: Any) -> Any:

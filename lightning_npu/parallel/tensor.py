@@ -10,22 +10,19 @@ An ordinary PyTorch model is sharded without rewriting its layers:
   fails before ``init_process_group``;
 * :func:`apply_tensor_parallel` runs DTensor's ``parallelize_module`` with those styles, re-ties
   tied weights and gives attention modules their local head counts;
-* :func:`localize_parameters` converts the DTensor parameters into plain local shards that DDP and
-  ZeRO-1 can handle (each sharded module rebuilds DTensors from them around its own forward, like
-  torch's ``_pre_dp_module_transform`` but per module and aware of tied weights);
 * the vocab-split LM head (:class:`VocabParallelHead`) returns
   :class:`~lightning_npu.parallel.logits.VocabParallelLogits`: the full logits for ordinary code
   (torchmetrics, ``argmax``, ``generate``; gathered once on demand), the shard for the loss;
 * :func:`vocab_parallel_cross_entropy` is a context in which ``F.cross_entropy`` on vocab-sharded
   logits runs DTensor's ``loss_parallel`` (max-subtracted log-softmax, never gathering the logits)
   and returns a plain tensor, so an unchanged ``training_step`` can ``self.log`` it;
-* :func:`gather_shards` / :func:`load_into_shards` and the optimizer equivalents translate
-  between the local shards and full (unsharded, original-layout) tensors for checkpoints.
+* how the sharded parameters are then held (DTensors, or plain local shards under ZeRO 0/1) and
+  translated to and from full tensors is `tp_shards`' business alone.
 
 Fused projections (GPT-2's ``c_attn`` = q|k|v, ``gate_up_proj`` = gate|up) are column-sharded so
 that each rank holds *its* heads of every part: the output rows are reordered rank-major before
 sharding (rank r holds ``[q_r, k_r, v_r]``), so the unchanged ``view(b, t, 3, heads, head_dim)``
-of the model sees its local heads. The reordering is internal: :func:`gather_shards` undoes it,
+of the model sees its local heads. The reordering is internal: `tp_shards.full_tensors` undoes it,
 so checkpoints and ``state_dict`` keys and layouts are those of the unsharded model.
 """
 
@@ -62,9 +59,6 @@ __all__ = [
     "VocabParallelHead",
     "VocabParallelLogits",
     "apply_tensor_parallel",
-    "gather_shards",
-    "load_into_shards",
-    "localize_parameters",
     "plan_tensor_parallel",
     "style_from_name",
     "vocab_parallel_cross_entropy",
@@ -124,7 +118,7 @@ class Colwise(ColwiseParallel):
 
     ``fused=3`` (q|k|v) or ``2`` (gate|up) shards every part by columns and keeps each rank's parts
     together (see the module docstring); the parameter DTensor is ``Shard(out_dim)`` of the
-    rank-major reordered weight, which :func:`gather_shards` maps back to the original layout.
+    rank-major reordered weight, which `tp_shards.full_tensors` maps back to the original layout.
     """
 
     def __init__(self, *, fused: int = 1, **kwargs: Any) -> None:
@@ -584,121 +578,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     return plan
 
 
-# ---- DTensor parameters <-> local shards (for DDP / ZeRO-1 / plain optimizers) -------------
-@dataclass
-class ShardSpec:
-    """How a local parameter shard relates to its full tensor."""
-
-    mesh: DeviceMesh
-    placements: tuple
-    shape: torch.Size
-    stride: tuple
-    fused: Optional[tuple[int, int]] = None  # (dim, parts): rank-major reordered fused projection
-
-    def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
-                                  stride=self.stride)
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Full tensor in the original (unsharded-model) layout; a collective over the tp group."""
-        full = self.to_dtensor(local.detach()).full_tensor()
-        if self.fused is not None:
-            full = _part_major(full, self.fused[0], self.fused[1], self.mesh.size())
-        return full
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's local shard of a full tensor every rank holds (no communication)."""
-        if tuple(full.shape) != tuple(self.shape):
-            raise ValueError(f"expected a full tensor of shape {tuple(self.shape)}, got {tuple(full.shape)}.")
-        tp, rank = self.mesh.size(), self.mesh.get_local_rank()
-        for placement in self.placements:
-            if isinstance(placement, Shard):
-                dim = placement.dim
-                if self.fused is not None:
-                    full = _rank_major(full, self.fused[0], self.fused[1], tp)
-                full = full.chunk(tp, dim)[rank]
-        return full.contiguous()
-
-
-# ---- how a tp shard is represented: the other modules ask these, never the attributes ----------------
-def shard_spec(p: torch.Tensor) -> Optional[ShardSpec]:
-    """The full-tensor layout of a parameter held as a plain local tp shard (zero 0/1); None otherwise."""
-    return getattr(p, "_lnpu_tp", None)
-
-
-def sharding_of(p: torch.Tensor) -> Optional[tuple[DeviceMesh, tuple]]:
-    """(mesh, placements) of a DTensor or of a local tp shard; None for a plain (replicated) tensor."""
-    if isinstance(p, DTensor):
-        return p.device_mesh, tuple(p.placements)
-    spec = shard_spec(p)
-    return (spec.mesh, tuple(spec.placements)) if spec is not None else None
-
-
-def tensor_parallel_parameter_names(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if shard_spec(p) is not None]
-
-
-def fused_layout(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """FQN -> (dim, parts, tp) of the fused projections kept rank-major (recorded when tp was applied)."""
-    return dict(getattr(model, "_lnpu_fused", None) or {})
-
-
-def set_fused_layout(model: nn.Module, fused: dict[str, tuple[int, int, int]]) -> None:
-    model._lnpu_fused = fused  # type: ignore[assignment]
-
-
-def localize_parameters(model: nn.Module) -> int:
-    """Replace DTensor parameters by plain local shards; each module re-wraps its own around forward.
-
-    Returns the number of parameters localized. DDP then all-reduces the local gradients over dp.
-    """
-    local_of: dict[int, nn.Parameter] = {}
-    count = 0
-    for module in model.modules():
-        own = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
-        if not own:
-            continue
-        locals_: dict[str, nn.Parameter] = {}
-        for pname, p in own.items():
-            if id(p) not in local_of:
-                local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
-                local._lnpu_tp = ShardSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride(),  # type: ignore
-                                           getattr(p, "_lnpu_fused", None))
-                local_of[id(p)] = local
-                count += 1
-            locals_[pname] = local_of[id(p)]
-            module._parameters[pname] = locals_[pname]
-        module._lnpu_local_params = locals_  # type: ignore[attr-defined]
-        module.register_forward_pre_hook(_to_dtensor_params)
-        module.register_forward_hook(_to_local_params)
-    return count
-
-
-def _to_dtensor_params(module: nn.Module, args: Any) -> None:
-    for pname, local in module._lnpu_local_params.items():
-        module._parameters[pname] = local._lnpu_tp.to_dtensor(local)  # type: ignore[assignment]
-
-
-def _to_local_params(module: nn.Module, args: Any, output: Any) -> None:
-    module._parameters.update(module._lnpu_local_params)
-
-
-def is_tensor_parallel(model: nn.Module) -> bool:
-    return any(shard_spec(p) is not None for p in model.parameters())
-
-
-# ---- DTensor parameters kept as DTensors (ZeRO 2/3: FSDP2 over mesh["dp"] on top, 2-D (dp, tp)) --------
-def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """FQN -> (dim, parts, tp) of the rank-major reordered fused DTensor parameters (read before FSDP2
-    replaces the parameter objects; the strategy keeps the map as ``model._lnpu_fused``)."""
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        fused = getattr(p, "_lnpu_fused", None)
-        if isinstance(p, DTensor) and fused is not None and fused[1] > 1:
-            out[name] = (fused[0], fused[1], p.device_mesh.size())
-    return out
-
-
+# ---- sequence parallelism under FSDP2 -----------------------------------------------------------------
 def tp_replicated_modules(model: nn.Module) -> list[nn.Module]:
     """Modules holding DTensor parameters replicated over tp: the sequence-parallel norms (``SequenceParallel``).
 
@@ -712,92 +592,6 @@ def tp_replicated_modules(model: nn.Module) -> list[nn.Module]:
         if any(isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
                for p in m.parameters(recurse=False))
     ]
-
-
-def unfuse_full_tensors(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Full tensors gathered from DTensor parameters hold fused projections rank-major: restore the original
-    (part-major) layout. `full` keys may carry `prefix` (e.g. ``"state."`` for optimizer entries)."""
-    return _map_fused(full, fused, prefix, _part_major)
-
-
-def refuse_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Inverse of :func:`unfuse_full_tensors`: original layout -> the rank-major layout of `fused`'s tp size."""
-    return _map_fused(full, fused, prefix, _rank_major)
-
-
-def _map_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str, relayout: Any) -> dict[str, Any]:
-    out = dict(full)
-    for key, value in full.items():
-        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
-        for fqn, (dim, parts, tp) in fused.items():
-            if (name == fqn or name.startswith(fqn + ".")) and isinstance(value, torch.Tensor) and value.dim() > dim:
-                out[key] = relayout(value, dim, parts, tp)
-    return out
-
-
-def _param_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(model.named_parameters(remove_duplicate=False))
-
-
-def gather_shards(model: nn.Module, state_dict: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """`model.state_dict()` with every tensor-parallel shard gathered to the full, original-layout tensor.
-
-    A collective over each tp group: every rank must call it.
-    """
-    state_dict = model.state_dict() if state_dict is None else state_dict
-    params = _param_by_name(model)
-    out = {}
-    for key, value in state_dict.items():
-        spec = shard_spec(params[key]) if key in params else None
-        out[key] = spec.gather(value) if spec is not None else value
-    return out
-
-
-def shard_state_dict(model: nn.Module, full: dict[str, Any]) -> dict[str, Any]:
-    """Slice a full state dict (as :func:`gather_shards` makes) into this rank's local shards."""
-    params = _param_by_name(model)
-    out = {}
-    for key, value in full.items():
-        spec = shard_spec(params[key]) if key in params else None
-        out[key] = spec.shard(value) if spec is not None and isinstance(value, torch.Tensor) else value
-    return out
-
-
-def load_into_shards(model: nn.Module, full: dict[str, Any], strict: bool = True) -> Any:
-    return model.load_state_dict(shard_state_dict(model, full), strict=strict)
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _map_optimizer_state(params: list[torch.Tensor], state_dict: dict[str, Any], fn_name: str) -> dict[str, Any]:
-    out = dict(state_dict)
-    new_state = {}
-    for idx, per_param in state_dict["state"].items():
-        spec = shard_spec(params[idx])
-        if spec is None:
-            new_state[idx] = per_param
-            continue
-        converted = {}
-        for k, v in per_param.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                expected = tuple(params[idx].shape) if fn_name == "gather" else tuple(spec.shape)
-                if tuple(v.shape) == expected:
-                    v = getattr(spec, fn_name)(v)
-            converted[k] = v
-        new_state[idx] = converted
-    out["state"] = new_state
-    return out
-
-
-def full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Gather the parameter-shaped optimizer state (Adam moments, ...) of tp-sharded parameters."""
-    return _map_optimizer_state(_optimizer_params(optimizer), state_dict, "gather")
-
-
-def shard_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    return _map_optimizer_state(_optimizer_params(optimizer), state_dict, "shard")
 
 
 # ---- vocab-parallel cross-entropy --------------------------------------------------------------
