@@ -123,6 +123,22 @@ def test_resume_under_tp(tmp_path):
         assert_same_state(run["state"], full[0]["state"])
 
 
+def test_resume_from_a_single_file_under_tp(tmp_path):
+    """`save_distributed_checkpoint=False` at tp=2: one Lightning file of full tensors in the original layout (the
+    fused q|k|v weight and its Adam moments un-fused once); resuming it at tp=2 and under one process repeats steps
+    4-6 exactly."""
+    tp2 = {"zero_stage": 0, "tensor_parallel_size": 2, "save_distributed_checkpoint": False}
+    full = spawn(train_tp, 2, 2, 8, 6, tp2, "gpt", None, str(tmp_path), None, 3)
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    assert ckpt.is_file()
+    resumed = spawn(train_tp, 2, 2, 8, 6, tp2, "gpt", None, None, str(ckpt), 3)
+    relaid = spawn(train_tp, 1, 1, 8, 6, {"zero_stage": 0}, "gpt", None, None, str(ckpt), 3)
+    for run in (resumed[0], resumed[1], relaid[0]):
+        assert run["global_step"] == 6
+        torch.testing.assert_close(torch.tensor(run["logged"]), torch.tensor(full[0]["logged"][3:]), rtol=RTOL, atol=0)
+        assert_same_state(run["state"], full[0]["state"])
+
+
 def test_vocab_parallel_cross_entropy_matches_full():
     for rank in spawn(vocab_parallel_ce_check, 2):
         for reduction, r in rank.items():
