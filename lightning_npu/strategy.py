@@ -331,20 +331,13 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _step(self, kind: str, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """One Lightning step: dp-rank 0's buffers first where no DDP wrapper broadcasts them
-        (`lightning_npu.parallel.buffers`); a LightningModule that is itself an FSDP2 unit (ZeRO 2/3, parameters
-        held directly) runs the step through its forward hooks, as Lightning runs steps through a wrapper."""
+        (`lightning_npu.parallel.buffers`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_step()
         if self._pipeline is not None:
             out = self._pipeline_step(kind, *args, **kwargs)
         else:
-            module = self.lightning_module
-            with self._loss_context():
-                if is_sharded_root(module):
-                    with context():
-                        out = self._forward_redirection(module, module, method, *args, **kwargs)
-                else:
-                    out = getattr(DDPStrategy, method)(self, *args, **kwargs)
+            out = self._module_step(method, context, *args, **kwargs)
         if self._buffer_sync is not None:
             self._buffer_sync.after_step(self._grad_sync.enabled)
         return out
@@ -380,11 +373,7 @@ class NPUHybridStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         self._wrap_optimizers()
-        if self.parallel_config.uses_distributed_optimizer:
-            self._grad_sync.bind(self._distributed_optimizers())
-            if self._pipeline is not None:  # each stage's slices reduce-scatter after its last backward
-                self._pipeline.grad_listeners = [
-                    opt.grad_buckets.params_ready for opt in self._distributed_optimizers()]
+        self._grad_sync.bind(self._distributed_optimizers(), self._pipeline)
 
     def _wrap_optimizers(self) -> None:
         """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
@@ -434,6 +423,16 @@ class NPUHybridStrategy(DDPStrategy):
             # validate/test/predict without fit: split here (no gradients to synchronise)
             self._pipeline = apply_pp(module, self.device_mesh, cfg, self._plan_pipeline(), self.root_device)
         reduction.bind_metrics(module, self.device_mesh)  # torchmetrics sync over dp, like `reduce`
+
+    def _module_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """A LightningModule that is itself an FSDP2 unit (ZeRO 2/3, parameters held directly) runs the step
+        through its forward hooks, as Lightning runs steps through a wrapper."""
+        module = self.lightning_module
+        with self._loss_context():
+            if is_sharded_root(module):
+                with context():
+                    return self._forward_redirection(module, module, method, *args, **kwargs)
+            return getattr(DDPStrategy, method)(self, *args, **kwargs)
 
     def _pipeline_step(self, kind: str, batch: Any, batch_idx: int = 0, *args: Any, **kwargs: Any) -> Any:
         runner, module, plugin = self._pipeline, self.lightning_module, self.precision_plugin

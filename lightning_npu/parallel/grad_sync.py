@@ -287,6 +287,9 @@ class GradientSync:
     def finish(self) -> None:
         """After a stepping backward: every gradient is reduced over dp once this returns."""
 
+    def bind(self, optimizers: list[Any], pipeline: Any = None) -> None:
+        """The optimizers exist (Lightning's `setup_optimizers`): a layout whose buckets live in them binds here."""
+
 
 class DDPGradientSync(GradientSync):
     """zero 0: DDP's reducer buckets and overlaps; its comm hook hands each bucket to `reduce_bucket` in fp32."""
@@ -389,8 +392,10 @@ class DistributedOptimizerSync(GradientSync):
         self.optimizers: list[Any] = []
         self.compressor = compressor
 
-    def bind(self, optimizers: list[Any]) -> None:
+    def bind(self, optimizers: list[Any], pipeline: Any = None) -> None:
         self.optimizers = list(optimizers)
+        if pipeline is not None:  # each stage's slices reduce-scatter after its last micro-batch's backward
+            pipeline.grad_listeners = [opt.grad_buckets.params_ready for opt in self.optimizers]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
