@@ -398,6 +398,8 @@ class NPUHybridStrategy(DDPStrategy):
                     optimizer, scaler, pp_group, master_weights=bool(getattr(plugin, "master_weights", False)))
         self.optimizers = list(wrappers.values())
         wrap_lr_schedulers(self.lr_scheduler_configs, wrappers)
+        if self._grad_sync.compressor is not None:  # frozen_variance (1-bit Adam) steps Adam through the compressor
+            self._grad_sync.compressor.bind_optimizers(self.optimizers)
 
     # ---- pipeline parallelism (lightning_npu.parallel.pipeline) ------------------------------
     def _plan_pipeline(self) -> Any:

@@ -171,6 +171,10 @@ def test_state_resets_when_dp_changes(ranks):
     ({"mode": "onebit", "warmup_steps": -1}, "warmup_steps=-1"),
     ({"mode": "topk", "k": 3}, r"unknown options \['k'\]"),
     (3, "must be None, a mode name"),
+    ({"mode": "topk", "frozen_variance": True}, r"frozen_variance=True \(1-bit Adam\).*warmup_steps=0"),
+    ({"mode": "bf16", "warmup_steps": 5, "frozen_variance": True}, "needs a lossy mode"),
+    ({"mode": "onebit", "warmup_steps": 5, "frozen_variance": True, "error_feedback": False}, "error feedback"),
+    ({"mode": "onebit", "frozen_variance": 1}, "frozen_variance=1 must be True or False"),
 ])
 def test_bad_values(value, match):
     with pytest.raises(CompressionConfigError, match=match):
@@ -226,3 +230,56 @@ def test_resolve_and_segments():
 def test_bad_glob_values_name_the_glob(value, match):
     with pytest.raises(CompressionConfigError, match=match):
         parse_compression(value)
+
+
+# ---- 1-bit Adam (frozen_variance): the optimizer side ----------------------------------------------------------
+def test_frozen_variance_refuses_other_optimizers_and_zero1():
+    from lightning_npu.parallel.config import ParallelConfig, ParallelConfigError
+    from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
+
+    spec = CompressionSpec("topk", warmup_steps=10, frozen_variance=True)
+    sgd = MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    with pytest.raises(CompressionConfigError, match="torch.optim.Adam or AdamW.*got SGD"):
+        Compressor(spec).bind_optimizers([sgd])
+    amsgrad = MixedPrecisionOptimizer(torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True))
+    with pytest.raises(CompressionConfigError, match="amsgrad"):
+        Compressor(spec).bind_optimizers([amsgrad])
+    with pytest.raises(ParallelConfigError, match="zero_stage=1.*1-bit Adam"):
+        ParallelConfig(zero_stage=1, gradient_compression={"mode": "topk", "warmup_steps": 10, "frozen_variance": True})
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_adam_step_is_torchs_with_the_variance_frozen(kind):
+    """`Compressor.adam_step` steps like torch's Adam/AdamW (weight decay included); the parameters whose momentum
+    was sent compressed keep their variance, bias-corrected for the warm-up's steps."""
+    from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
+
+    torch.manual_seed(0)
+    make = lambda: [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]  # noqa: E731
+    ours, ref = make(), make()
+    for a, b in zip(ours, ref):
+        b.data.copy_(a.data)
+    opt_cls = getattr(torch.optim, kind)
+    options = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-6)
+    opt, ref_opt = opt_cls(ours, **options), opt_cls(ref, **options)
+    wrapper = MixedPrecisionOptimizer(opt)
+    compressor = Compressor(CompressionSpec("topk", warmup_steps=3, frozen_variance=True))
+    compressor.bind_optimizers([wrapper])
+    assert wrapper.step_override == compressor.adam_step
+    for step in range(5):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step >= 3:  # as `Compressor.sum` records it for a compressed bucket holding the first parameter
+            compressor._frozen_now[id(ours[0])] = 3
+            variance = opt.state[ours[0]]["exp_avg_sq"].clone()
+        wrapper._step_main_params()
+        ref_opt.step()
+        torch.testing.assert_close(ours[1], ref[1])  # never frozen: torch's step
+        if step < 3:
+            torch.testing.assert_close(ours[0], ref[0])
+        else:
+            assert torch.equal(opt.state[ours[0]]["exp_avg_sq"], variance)
+            if step == 3:  # the same parameters before this step: the same momentum (Adam's includes weight decay)
+                torch.testing.assert_close(opt.state[ours[0]]["exp_avg"], ref_opt.state[ref[0]]["exp_avg"])
+    assert float(opt.state[ours[0]]["step"]) == 5 and compressor._frozen_now == {}

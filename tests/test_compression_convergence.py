@@ -17,6 +17,18 @@ and in bursts (sparsified with error feedback) or with a sign-inflated magnitude
 sent dense. AdamW rather than SGD: with
 SGD+momentum (lr 0.15-0.3) this model sits on a plateau whose escape is chaotic, and bf16 rounding alone moved the
 final loss by up to 3.5%, too much noise for a 3% bound.
+
+What was tried (last-10 mean vs uncompressed, same runs): a 100-step dense warm-up alone: topk +10%, onebit +53%,
+powersgd +74%; plus Adam's variance frozen after it, gradients still compressed: topk +9.5%, onebit +37%, powersgd
++75%; plus preconditioning (compressing g / sqrt(v)): no better. So the variance is not the whole cause: with a
+linear (frozen-variance) update, error feedback on noisy gradients still lags. What closes the gap is 1-bit Adam
+(Tang et al. 2021) in full: after the dense warm-up each rank's Adam *momentum* is compressed with error feedback and
+the variance is frozen (`frozen_variance=True`): topk 0.962 (-6.0%), onebit 0.958 (-6.4%), both below the uncompressed
+run by more than 3%, which is why their arms still xfail the two-sided bound: the frozen variance (larger than the
+live one late in training) acts as a learning-rate decay (dense AdamW with the variance frozen at step 100 alone ends
+-4.3%; frozen at step 130: +0.4%, and topk/onebit -3.3%/-3.7%; frozen at step 30 or 60 it diverges (nan, +80%)).
+`test_one_bit_adam_no_worse_than_3_percent` checks the side that matters to a user. PowerSGD rank 1 stays +81% even
+with 1-bit Adam (rank 4 +26%, rank 8 +6.6%: a rank-r factor of this model's 32-wide matrices carries too little).
 """
 
 import math
@@ -33,14 +45,18 @@ ARMS = {
     "none": None,
     "bf16": "bf16",
     "int8": "int8",
-    "topk": {"mode": "topk", "ratio": 0.1},
-    "onebit": {"mode": "onebit", "warmup_steps": 30},
+    # 1-bit Adam, as docs/communication.md recommends for Adam/AdamW (a 100-step dense warm-up, then the compressed
+    # momentum with a frozen variance)
+    "topk": {"mode": "topk", "ratio": 0.1, "warmup_steps": 100, "frozen_variance": True},
+    "onebit": {"mode": "onebit", "warmup_steps": 100, "frozen_variance": True},
     "powersgd": {"mode": "powersgd", "rank": 1},
     # error feedback on vs off at a ratio where its effect on AdamW shows (measured: 1.189 vs 1.326, +11.6%)
     "topk30": {"mode": "topk", "ratio": 0.3},
     "topk30_no_ef": {"mode": "topk", "ratio": 0.3, "error_feedback": False},
 }
 _MISSES = "measured {}: misses 3% under AdamW (see the module docstring); a strict xfail until compression is fixed"
+_BELOW = ("measured {}: 1-bit Adam ends more than 3% *below* the uncompressed run (its frozen variance acts as a "
+          "learning-rate decay; see the module docstring); a strict xfail of the two-sided bound")
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +86,8 @@ def test_uncompressed_loss_falls(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     "bf16", "int8",
-    pytest.param("topk", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+53%"))),
-    pytest.param("onebit", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+68%"))),
+    pytest.param("topk", marks=pytest.mark.xfail(strict=True, reason=_BELOW.format("-6.0%"))),
+    pytest.param("onebit", marks=pytest.mark.xfail(strict=True, reason=_BELOW.format("-6.4%"))),
     pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+90%"))),
 ])
 def test_compressed_ends_within_3_percent(runs, mode):
@@ -79,6 +95,20 @@ def test_compressed_ends_within_3_percent(runs, mode):
     # compression was on: fewer gradient bytes than the uncompressed run (onebit's fp32 warm-up included)
     assert runs[mode]["bytes"] < 0.55 * runs["none"]["bytes"], (runs[mode]["bytes"], runs["none"]["bytes"])
     assert abs(got / base - 1) <= 0.03, f"{mode}: last-{TAIL} mean {got:.4f} vs uncompressed {base:.4f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["topk", "onebit"])
+def test_one_bit_adam_no_worse_than_3_percent(runs, mode):
+    """1-bit Adam (`frozen_variance=True`) costs no convergence: at most 3% above the uncompressed run (measured
+    -6.0% and -6.4%), with onebit's payload at most 0.05 of fp32 after the warm-up."""
+    base, got = tail(runs["none"]), tail(runs[mode])
+    assert runs[mode]["bytes"] < 0.55 * runs["none"]["bytes"], (runs[mode]["bytes"], runs["none"]["bytes"])
+    if mode == "onebit":  # the 100 dense warm-up steps at fp32, then the 1-bit momentum
+        per_step = runs["none"]["bytes"] / STEPS
+        after = (runs[mode]["bytes"] - 100 * per_step) / (STEPS - 100)
+        assert after <= 0.05 * per_step, after / per_step
+    assert got <= 1.03 * base, f"{mode}: last-{TAIL} mean {got:.4f} vs uncompressed {base:.4f}"
 
 
 @pytest.mark.slow

@@ -14,6 +14,11 @@ nothing is lost, only delayed.
 | ``"onebit"`` | 1/32 + a fp32 scale per 256 values | all-gather of packed signs, error feedback, fp32 warm-up |
 | ``"powersgd"`` | rank x (rows + cols) / numel | two all-reduces (PyTorch's PowerSGD with warm start), error feedback |
 
+With ``frozen_variance=True`` (1-bit Adam, Tang et al. 2021; torch.optim.Adam/AdamW, zero_stage 0) a lossy mode
+compresses, after its dense warm-up, each rank's Adam momentum instead of its gradient, and Adam's variance stays
+frozen at its warm-up value: the update is then linear in what is communicated, which error feedback needs
+(`Compressor.bind_optimizers`, `Compressor.adam_step`).
+
 Compressed modes are synchronous: the bucket's exchange runs when it is launched, so they do not overlap the rest of
 backward as the plain all-reduce does.
 
@@ -49,6 +54,7 @@ class CompressionSpec:
     warmup_steps: int = 0  # steps reduced uncompressed first (onebit: 1-bit Adam's warm-up)
     rank: int = 1  # powersgd: the rank of the approximation
     error_feedback: bool = True
+    frozen_variance: bool = False  # 1-bit Adam: compress Adam's momentum, freeze its variance after the warm-up
 
 
 def parse_compression(value: Any) -> Union[None, CompressionSpec, dict[str, Optional[CompressionSpec]]]:
@@ -63,7 +69,7 @@ def parse_compression(value: Any) -> Union[None, CompressionSpec, dict[str, Opti
         return {str(glob): _glob_value(str(glob), v) for glob, v in value.items()}
     raise CompressionConfigError(
         f"`gradient_compression={value!r}` must be None, a mode name ({', '.join(MODES)}), "
-        "{'mode': ..., 'ratio': ..., 'warmup_steps': ..., 'rank': ..., 'error_feedback': ...} or "
+        "{'mode': ..., 'ratio': ..., 'warmup_steps': ..., 'rank': ..., 'error_feedback': ..., 'frozen_variance': ...} or "
         "{module glob: mode}.")
 
 
@@ -97,6 +103,15 @@ def _spec(options: dict) -> CompressionSpec:
         raise CompressionConfigError(f"`gradient_compression` rank={spec.rank!r} must be a positive int, e.g. 1.")
     if not isinstance(spec.error_feedback, bool):
         raise CompressionConfigError(f"`gradient_compression` error_feedback={spec.error_feedback!r} must be True or False.")
+    if not isinstance(spec.frozen_variance, bool):
+        raise CompressionConfigError(
+            f"`gradient_compression` frozen_variance={spec.frozen_variance!r} must be True or False.")
+    if spec.frozen_variance and (spec.mode == "bf16" or not spec.error_feedback or spec.warmup_steps < 1):
+        raise CompressionConfigError(
+            f"`gradient_compression` frozen_variance=True (1-bit Adam) with mode={spec.mode!r}, "
+            f"error_feedback={spec.error_feedback}, warmup_steps={spec.warmup_steps}: it needs a lossy mode (int8, "
+            "topk, onebit, powersgd) with error feedback and a dense warm-up of warmup_steps >= 1 steps, from which "
+            "Adam's variance is frozen (e.g. warmup_steps=100).")
     return spec
 
 
@@ -141,6 +156,10 @@ class Compressor:
     world: Optional[int] = None  # the dp size the state was built for
     _specs: dict[int, Optional[CompressionSpec]] = field(default_factory=dict)
     _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>": the i-th glob compresses it
+    # frozen_variance (1-bit Adam): id(model parameter) -> (torch Adam/AdamW, the parameter it steps); the
+    # parameters whose momentum this step sent compressed -> the dense steps their variance saw (its bias correction)
+    _adam: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    _frozen_now: dict[int, int] = field(default_factory=dict)
 
     @property
     def per_module(self) -> bool:
@@ -205,6 +224,10 @@ class Compressor:
         mode = spec.mode
         if mode == "bf16":
             return self._bf16(flat, group)
+        momentum = self._momentum(flat, spec, params, parts) if spec.frozen_variance else None
+        if momentum is not None:  # 1-bit Adam: this rank's momentum u = b1 m + (1 - b1) g is what is compressed
+            m, beta1 = momentum
+            flat.mul_(1 - beta1).add_(beta1 * m)
         if spec.error_feedback:
             residual = self.residuals.get(key)
             if residual is None or residual.shape != flat.shape:
@@ -217,6 +240,104 @@ class Compressor:
             sent = getattr(self, f"_{mode}")(flat, group, key, spec)
         if spec.error_feedback:
             torch.sub(corrected, sent, out=self.residuals[key])
+        if momentum is not None:
+            # the SUM of the ranks' compressed momenta, as the gradient SUM whose Adam momentum update gives their
+            # mean: b1 m + (1 - b1) g = mean  <=>  world * g = (SUM - world b1 m) / (1 - b1)
+            flat.sub_(self.world * beta1 * m).div_(1 - beta1)
+
+    # ---- 1-bit Adam (frozen_variance) --------------------------------------------------------------------
+    def bind_optimizers(self, optimizers: list[Any]) -> None:
+        """Give the specs with ``frozen_variance`` their optimizers (the strategy's `MixedPrecisionOptimizer` wrappers,
+        once built): each must be a plain torch.optim.Adam or AdamW stepping unsharded parameters (zero_stage 0);
+        its wrapper then steps through `adam_step`."""
+        specs = list(self.spec.values()) if self.per_module else [self.spec]
+        if not any(s is not None and s.frozen_variance for s in specs):
+            return
+        for wrapper in optimizers:
+            inner = getattr(wrapper, "optimizer", None)
+            if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or hasattr(wrapper, "grad_buckets"):
+                raise CompressionConfigError(
+                    f"`gradient_compression` frozen_variance=True (1-bit Adam) freezes the variance of "
+                    f"torch.optim.Adam or AdamW stepping whole parameters (zero_stage=0); got {type(inner).__name__}"
+                    f"{' under ZeRO-1' if hasattr(wrapper, 'grad_buckets') else ''}. Use frozen_variance=False "
+                    "(gradient error feedback) with other optimizers.")
+            for group in inner.param_groups:
+                bad = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
+                if bad:
+                    raise CompressionConfigError(
+                        f"`gradient_compression` frozen_variance=True supports Adam/AdamW without {bad}.")
+            masters = {id(m): p for p, m in getattr(wrapper, "master_pairs", ())}
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    self._adam[id(masters.get(id(p), p))] = (inner, p)
+            wrapper.step_override = self.adam_step
+
+    def _momentum(self, flat: torch.Tensor, spec: CompressionSpec, params: Optional[list[torch.Tensor]],
+                  parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Adam momentum of the gradients in `flat` (back to back) and each value's beta1; records the
+        parameters as frozen for this step's `adam_step`."""
+        if params is None or parts != 1:
+            raise ValueError("frozen_variance compresses Adam's momentum: Compressor.sum needs the bucket's `params` "
+                             "in one part (zero_stage=0).")
+        ms, betas = [], []
+        for p in params:
+            entry = self._adam.get(id(p))
+            if entry is None:
+                raise CompressionConfigError(
+                    "`gradient_compression` frozen_variance=True: a compressed parameter is not stepped by a bound "
+                    "torch.optim.Adam/AdamW (Compressor.bind_optimizers).")
+            optimizer, stepped = entry
+            state = optimizer.state.get(stepped, {})
+            m = state.get("exp_avg")
+            ms.append(torch.zeros(p.numel(), device=flat.device) if m is None else m.detach().flatten().float())
+            beta1 = next(g["betas"][0] for g in optimizer.param_groups if any(q is stepped for q in g["params"]))
+            betas.append(torch.full((p.numel(),), float(beta1), device=flat.device))
+            self._frozen_now[id(stepped)] = spec.warmup_steps
+        m, beta1 = torch.cat(ms), torch.cat(betas)
+        if m.numel() != flat.numel():
+            raise ValueError(f"frozen_variance: the bucket holds {flat.numel()} values, its parameters {m.numel()}.")
+        return m, beta1
+
+    @torch.no_grad()
+    def adam_step(self, optimizer: Any) -> bool:
+        """Step `optimizer` (Adam/AdamW) as torch does, except that the parameters whose momentum this step's
+        exchange compressed keep their variance (frozen after the warm-up, bias-corrected for the warm-up's steps).
+        False (nothing done: the optimizer's own step runs) when no parameter of it was compressed this step."""
+        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        frozen = {k: n for k, n in self._frozen_now.items() if k in own}
+        if not frozen:
+            return False
+        for k in frozen:
+            del self._frozen_now[k]
+        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+        for group in optimizer.param_groups:
+            beta1, beta2 = (float(b) for b in group["betas"])
+            lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+            decoupled = group.get("decoupled_weight_decay", decoupled_default)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, optimizer.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if wd:
+                    if decoupled:
+                        p.mul_(1 - lr * wd)
+                    else:
+                        grad = grad.add(p, alpha=wd)
+                state["step"] += 1
+                step = float(state["step"])
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                if id(p) in frozen:
+                    seen = frozen[id(p)]  # the dense steps the frozen variance averaged
+                else:
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    seen = step
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** seen)).add_(eps)
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+        return True
 
     # ---- modes: each leaves the decompressed sum in `flat` and returns this rank's own decompressed payload ----
     def _bf16(self, flat: torch.Tensor, group: Any) -> None:

@@ -257,6 +257,12 @@ class ParallelConfig:
                 f"`gradient_compression={self.gradient_compression!r}` with `zero_stage={self.zero_stage}`: FSDP2's "
                 "reduce-scatter runs per unit inside backward and is not compressed; use zero_stage=0 or 1, or "
                 "gradient_compression=None.")
+        specs = list(parsed.values()) if isinstance(parsed, dict) else [parsed]
+        if self.zero_stage != 0 and any(s is not None and s.frozen_variance for s in specs):
+            raise ParallelConfigError(
+                f"`gradient_compression={self.gradient_compression!r}` with `zero_stage={self.zero_stage}`: "
+                "frozen_variance=True (1-bit Adam) compresses each rank's whole Adam momentum, which ZeRO-1 shards; "
+                "use zero_stage=0, or frozen_variance=False.")
         if self.hierarchical_allreduce is True:
             raise ParallelConfigError(
                 f"`gradient_compression={self.gradient_compression!r}` with `hierarchical_allreduce=True`: a compressed "

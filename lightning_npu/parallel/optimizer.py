@@ -94,6 +94,9 @@ class MixedPrecisionOptimizer(Optimizer):
         # model parameter id -> the `.grad` `publish_model_grads` showed it (a dict: Lightning's LightningOptimizer
         # calls `zero_grad` on a shallow copy of this object's __dict__, so state must live in shared containers)
         self._published: dict[int, Tensor] = {}
+        # a replacement of the user's optimizer step (`compression.Compressor.adam_step`, 1-bit Adam's frozen
+        # variance): called with the user's optimizer, True when it stepped it
+        self.step_override: Optional[Callable[[Optimizer], bool]] = None
         # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the user's groups and state
         Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], {})
         self.optimizer = optimizer
@@ -217,6 +220,8 @@ class MixedPrecisionOptimizer(Optimizer):
             master.grad = None if p.grad is None else p.grad.detach().to(torch.float32)
 
     def _step_main_params(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        if self.step_override is not None and closure is None and self.step_override(self.optimizer):
+            return None
         return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
 
     @torch.no_grad()
