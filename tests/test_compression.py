@@ -250,7 +250,7 @@ def test_frozen_variance_refuses_other_optimizers_and_zero1():
 
 @pytest.mark.parametrize("kind", ["Adam", "AdamW"])
 def test_adam_step_is_torchs_with_the_variance_frozen(kind):
-    """`Compressor.adam_step` steps like torch's Adam/AdamW (weight decay included); the parameters whose momentum
+    """`onebit_adam.FrozenVarianceAdam.step` steps like torch's Adam/AdamW (weight decay included); the parameters whose momentum
     was sent compressed keep their variance, bias-corrected for the warm-up's steps."""
     from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
 
@@ -265,13 +265,13 @@ def test_adam_step_is_torchs_with_the_variance_frozen(kind):
     wrapper = MixedPrecisionOptimizer(opt)
     compressor = Compressor(CompressionSpec("topk", warmup_steps=3, frozen_variance=True))
     compressor.bind_optimizers([wrapper])
-    assert wrapper.step_override == compressor.adam_step
+    assert wrapper.step_override == compressor.adam.step
     for step in range(5):
         grads = [torch.randn_like(p) for p in ours]
         for p, q, g in zip(ours, ref, grads):
             p.grad, q.grad = g.clone(), g.clone()
         if step >= 3:  # as `Compressor.sum` records it for a compressed bucket holding the first parameter
-            compressor._frozen_now[id(ours[0])] = 3
+            compressor.adam._frozen_now[id(ours[0])] = 3
             variance = opt.state[ours[0]]["exp_avg_sq"].clone()
         wrapper._step_main_params()
         ref_opt.step()
@@ -282,4 +282,4 @@ def test_adam_step_is_torchs_with_the_variance_frozen(kind):
             assert torch.equal(opt.state[ours[0]]["exp_avg_sq"], variance)
             if step == 3:  # the same parameters before this step: the same momentum (Adam's includes weight decay)
                 torch.testing.assert_close(opt.state[ours[0]]["exp_avg"], ref_opt.state[ref[0]]["exp_avg"])
-    assert float(opt.state[ours[0]]["step"]) == 5 and compressor._frozen_now == {}
+    assert float(opt.state[ours[0]]["step"]) == 5 and compressor.adam._frozen_now == {}

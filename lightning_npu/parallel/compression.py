@@ -17,7 +17,7 @@ nothing is lost, only delayed.
 With ``frozen_variance=True`` (1-bit Adam, Tang et al. 2021; torch.optim.Adam/AdamW, zero_stage 0) a lossy mode
 compresses, after its dense warm-up, each rank's Adam momentum instead of its gradient, and Adam's variance stays
 frozen at its warm-up value: the update is then linear in what is communicated, which error feedback needs
-(`Compressor.bind_optimizers`, `Compressor.adam_step`).
+(`onebit_adam`).
 
 Compressed modes are synchronous: the bucket's exchange runs when it is launched, so they do not overlap the rest of
 backward as the plain all-reduce does.
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_npu.parallel.grad_sync import all_gather_into, matrices_of
+from lightning_npu.parallel.onebit_adam import FrozenVarianceAdam
 
 MODES = ("bf16", "int8", "topk", "onebit", "powersgd")
 CHUNK = 256  # values per int8/onebit scale
@@ -154,12 +155,15 @@ class Compressor:
     q_factors: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     world: Optional[int] = None  # the dp size the state was built for
+    # bucket key -> the (parameter name, numel) its residual holds back to back (buckets of whole parameters: DDP's,
+    # the pipeline's); a bucket whose parameters change (DDP rebuilds its buckets after the first step, and a resumed
+    # run starts from the initial ones) gets each parameter's own residual back, never another parameter's
+    layouts: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    _unclaimed: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> its residual, between buckets
+    _names: dict[int, str] = field(default_factory=dict)
     _specs: dict[int, Optional[CompressionSpec]] = field(default_factory=dict)
     _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>": the i-th glob compresses it
-    # frozen_variance (1-bit Adam): id(model parameter) -> (torch Adam/AdamW, the parameter it steps); the
-    # parameters whose momentum this step sent compressed -> the dense steps their variance saw (its bias correction)
-    _adam: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
-    _frozen_now: dict[int, int] = field(default_factory=dict)
+    adam: FrozenVarianceAdam = field(default_factory=FrozenVarianceAdam)  # frozen_variance's optimizer side
 
     @property
     def per_module(self) -> bool:
@@ -169,9 +173,10 @@ class Compressor:
         """Give each parameter its spec once, from ``(name, parameter)`` pairs named as in the user's model (the
         LightningModule's ``named_parameters()``: no wrapper prefixes). Returns the globs that matched a parameter."""
         matched: set[str] = set()
-        if not self.per_module:
-            return matched
         for name, p in named_parameters:
+            self._names[id(p)] = name
+            if not self.per_module:
+                continue
             module = name.rpartition(".")[0]
             glob = _glob_of(self.spec, module, name)
             self._specs[id(p)] = None if glob is None else self.spec[glob]
@@ -224,14 +229,12 @@ class Compressor:
         mode = spec.mode
         if mode == "bf16":
             return self._bf16(flat, group)
-        momentum = self._momentum(flat, spec, params, parts) if spec.frozen_variance else None
+        momentum = self.adam.momentum(flat, spec.warmup_steps, params, parts) if spec.frozen_variance else None
         if momentum is not None:  # 1-bit Adam: this rank's momentum u = b1 m + (1 - b1) g is what is compressed
             m, beta1 = momentum
             flat.mul_(1 - beta1).add_(beta1 * m)
         if spec.error_feedback:
-            residual = self.residuals.get(key)
-            if residual is None or residual.shape != flat.shape:
-                residual = self.residuals[key] = torch.zeros_like(flat)
+            residual = self._residual(key, flat, params, parts)
             flat.add_(residual)
             corrected = flat.clone()
         if mode == "powersgd":
@@ -245,99 +248,38 @@ class Compressor:
             # mean: b1 m + (1 - b1) g = mean  <=>  world * g = (SUM - world b1 m) / (1 - b1)
             flat.sub_(self.world * beta1 * m).div_(1 - beta1)
 
-    # ---- 1-bit Adam (frozen_variance) --------------------------------------------------------------------
+    def _residual(self, key: str, flat: torch.Tensor, params: Optional[list[torch.Tensor]], parts: int) -> torch.Tensor:
+        """Bucket `key`'s error-feedback residual, laid out as `flat` is now."""
+        names = [self._names.get(id(p)) for p in params or ()]
+        layout = [(n, p.numel()) for n, p in zip(names, params or ())] if parts == 1 and names and all(names) else None
+        residual = self.residuals.get(key)
+        if residual is not None and residual.shape == flat.shape and self.layouts.get(key) == layout:
+            return residual
+        if layout is None:  # no parameter names (rank-major ZeRO-1 buckets are fixed): a new bucket starts at zero
+            self.residuals[key] = torch.zeros_like(flat)
+            return self.residuals[key]
+        # another bucket than the residuals were kept for: split every whole-parameter residual by parameter ...
+        for old_key, old_layout in list(self.layouts.items()):
+            old = self.residuals.pop(old_key, None)
+            del self.layouts[old_key]
+            if old is not None and old_layout is not None and old.numel() == sum(n for _, n in old_layout):
+                self._unclaimed.update(zip((name for name, _ in old_layout), old.split([n for _, n in old_layout])))
+        # ... and give this bucket its parameters' own
+        residual = torch.zeros_like(flat)
+        for piece, (name, numel) in zip(residual.split([n for _, n in layout]), layout):
+            own = self._unclaimed.pop(name, None)
+            if own is not None and own.numel() == numel:
+                piece.copy_(own)
+        self.residuals[key], self.layouts[key] = residual, layout
+        return residual
+
+    # ---- 1-bit Adam (frozen_variance): `onebit_adam` owns the optimizer side -------------------------------
     def bind_optimizers(self, optimizers: list[Any]) -> None:
-        """Give the specs with ``frozen_variance`` their optimizers (the strategy's `MixedPrecisionOptimizer` wrappers,
-        once built): each must be a plain torch.optim.Adam or AdamW stepping unsharded parameters (zero_stage 0);
-        its wrapper then steps through `adam_step`."""
+        """The strategy's `MixedPrecisionOptimizer` wrappers, once built: with ``frozen_variance`` they step Adam
+        through `onebit_adam.FrozenVarianceAdam` (refused for optimizers it cannot step)."""
         specs = list(self.spec.values()) if self.per_module else [self.spec]
-        if not any(s is not None and s.frozen_variance for s in specs):
-            return
-        for wrapper in optimizers:
-            inner = getattr(wrapper, "optimizer", None)
-            if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or hasattr(wrapper, "grad_buckets"):
-                raise CompressionConfigError(
-                    f"`gradient_compression` frozen_variance=True (1-bit Adam) freezes the variance of "
-                    f"torch.optim.Adam or AdamW stepping whole parameters (zero_stage=0); got {type(inner).__name__}"
-                    f"{' under ZeRO-1' if hasattr(wrapper, 'grad_buckets') else ''}. Use frozen_variance=False "
-                    "(gradient error feedback) with other optimizers.")
-            for group in inner.param_groups:
-                bad = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
-                if bad:
-                    raise CompressionConfigError(
-                        f"`gradient_compression` frozen_variance=True supports Adam/AdamW without {bad}.")
-            masters = {id(m): p for p, m in getattr(wrapper, "master_pairs", ())}
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    self._adam[id(masters.get(id(p), p))] = (inner, p)
-            wrapper.step_override = self.adam_step
-
-    def _momentum(self, flat: torch.Tensor, spec: CompressionSpec, params: Optional[list[torch.Tensor]],
-                  parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Adam momentum of the gradients in `flat` (back to back) and each value's beta1; records the
-        parameters as frozen for this step's `adam_step`."""
-        if params is None or parts != 1:
-            raise ValueError("frozen_variance compresses Adam's momentum: Compressor.sum needs the bucket's `params` "
-                             "in one part (zero_stage=0).")
-        ms, betas = [], []
-        for p in params:
-            entry = self._adam.get(id(p))
-            if entry is None:
-                raise CompressionConfigError(
-                    "`gradient_compression` frozen_variance=True: a compressed parameter is not stepped by a bound "
-                    "torch.optim.Adam/AdamW (Compressor.bind_optimizers).")
-            optimizer, stepped = entry
-            state = optimizer.state.get(stepped, {})
-            m = state.get("exp_avg")
-            ms.append(torch.zeros(p.numel(), device=flat.device) if m is None else m.detach().flatten().float())
-            beta1 = next(g["betas"][0] for g in optimizer.param_groups if any(q is stepped for q in g["params"]))
-            betas.append(torch.full((p.numel(),), float(beta1), device=flat.device))
-            self._frozen_now[id(stepped)] = spec.warmup_steps
-        m, beta1 = torch.cat(ms), torch.cat(betas)
-        if m.numel() != flat.numel():
-            raise ValueError(f"frozen_variance: the bucket holds {flat.numel()} values, its parameters {m.numel()}.")
-        return m, beta1
-
-    @torch.no_grad()
-    def adam_step(self, optimizer: Any) -> bool:
-        """Step `optimizer` (Adam/AdamW) as torch does, except that the parameters whose momentum this step's
-        exchange compressed keep their variance (frozen after the warm-up, bias-corrected for the warm-up's steps).
-        False (nothing done: the optimizer's own step runs) when no parameter of it was compressed this step."""
-        own = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        frozen = {k: n for k, n in self._frozen_now.items() if k in own}
-        if not frozen:
-            return False
-        for k in frozen:
-            del self._frozen_now[k]
-        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-        for group in optimizer.param_groups:
-            beta1, beta2 = (float(b) for b in group["betas"])
-            lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-            decoupled = group.get("decoupled_weight_decay", decoupled_default)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad, state = p.grad, optimizer.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if wd:
-                    if decoupled:
-                        p.mul_(1 - lr * wd)
-                    else:
-                        grad = grad.add(p, alpha=wd)
-                state["step"] += 1
-                step = float(state["step"])
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                if id(p) in frozen:
-                    seen = frozen[id(p)]  # the dense steps the frozen variance averaged
-                else:
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    seen = step
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** seen)).add_(eps)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
-        return True
+        if any(s is not None and s.frozen_variance for s in specs):
+            self.adam.bind(optimizers)
 
     # ---- modes: each leaves the decompressed sum in `flat` and returns this rank's own decompressed payload ----
     def _bf16(self, flat: torch.Tensor, group: Any) -> None:
@@ -433,17 +375,19 @@ class Compressor:
     def state_dict(self) -> dict[str, Any]:
         spec = ({g: None if v is None else v.__dict__ for g, v in self.spec.items()} if self.per_module
                 else self.spec.__dict__)
-        return {"spec": spec, "world": self.world, "steps": dict(self.steps),
-                "residuals": dict(self.residuals), "q_factors": dict(self.q_factors)}
+        return {"spec": spec, "world": self.world, "steps": dict(self.steps), "residuals": dict(self.residuals),
+                "layouts": dict(self.layouts), "unclaimed": dict(self._unclaimed), "q_factors": dict(self.q_factors)}
 
     def load_state_dict(self, state: dict[str, Any], world: int) -> bool:
         """Restore the state saved under the same dp size; under another one the residuals belong to other ranks'
         gradients, so they reset (returns False) and only the step counts (the warm-up) carry over."""
         self.steps = dict(state.get("steps", {}))
         if state.get("world") != world:
-            self.residuals, self.q_factors = {}, {}
+            self.residuals, self.layouts, self._unclaimed, self.q_factors = {}, {}, {}, {}
             return False
         self.residuals = dict(state.get("residuals", {}))
+        self.layouts = {k: [tuple(e) for e in v] for k, v in state.get("layouts", {}).items()}
+        self._unclaimed = dict(state.get("unclaimed", {}))
         self.q_factors = dict(state.get("q_factors", {}))
         return True
 

@@ -94,7 +94,7 @@ class MixedPrecisionOptimizer(Optimizer):
         # model parameter id -> the `.grad` `publish_model_grads` showed it (a dict: Lightning's LightningOptimizer
         # calls `zero_grad` on a shallow copy of this object's __dict__, so state must live in shared containers)
         self._published: dict[int, Tensor] = {}
-        # a replacement of the user's optimizer step (`compression.Compressor.adam_step`, 1-bit Adam's frozen
+        # a replacement of the user's optimizer step (`onebit_adam.FrozenVarianceAdam.step`, 1-bit Adam's frozen
         # variance): called with the user's optimizer, True when it stepped it
         self.step_override: Optional[Callable[[Optimizer], bool]] = None
         # torch.optim.Optimizer bookkeeping (hooks, profiling names), then share the user's groups and state
