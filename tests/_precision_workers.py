@@ -39,15 +39,13 @@ class Recorder(L.Callback):
     """Per optimizer step: logged metrics, LR, scheduler counter, and (optionally) a parameter snapshot."""
 
     def __init__(self, snapshot_params: bool = False, inject_inf_at: tuple[int, ...] = (), inject_rank: int = 1,
-                 grad_norm_reference: bool = False, snapshot_masters: bool = False) -> None:
+                 snapshot_masters: bool = False) -> None:
         self.snapshot_params = snapshot_params
         self.snapshot_masters = snapshot_masters
         self.start_masters: Optional[dict[str, torch.Tensor]] = None
         self.inject_inf_at = set(inject_inf_at)
         self.inject_rank = inject_rank
-        self.grad_norm_reference = grad_norm_reference
         self.rows: list[dict[str, Any]] = []
-        self.ref_norms: list[float] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.snapshot_masters:  # after a resume: what the checkpoint restored
@@ -61,11 +59,6 @@ class Recorder(L.Callback):
             grads = [p.grad for p in stepped + list(pl_module.parameters()) if p.grad is not None]
             grad = next(g.to_local() if hasattr(g, "to_local") else g for g in grads if g.numel() > 0)
             grad.view(-1)[0] = float("inf")
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.grad_norm_reference:  # torch's own total norm of the (unclipped, unscaled) gradients
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            self.ref_norms.append(float(torch.nn.utils.get_total_norm(grads, 2.0)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
@@ -146,7 +139,6 @@ def train(
     return {
         "rows": recorder.rows,
         "start_masters": recorder.start_masters,
-        "ref_norms": recorder.ref_norms,
         "state": full_state(model),
         "plugin": type(plugin).__name__,
         "scaler": plugin.scaler.state_dict() if getattr(plugin, "scaler", None) is not None else None,

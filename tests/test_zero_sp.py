@@ -4,12 +4,14 @@ fp32 parity with one process, DCP checkpoints resumed under other layouts, and t
 sequence-parallel norms' partial gradients under bf16 compute.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.config import ParallelConfig, ParallelConfigError
-from tests._tp_workers import train_tp
+from tests._layouts import Layout, run_layout
 from tests._zero_sp_workers import run_many, sp_norm_grad_check
 
 RTOL, ATOL = 1e-5, 1e-6  # see test_foundation_parity: a wrong reduction or shard moves params by ~lr = 3e-3
@@ -34,7 +36,7 @@ def assert_losses(got: list, ref: list, rtol: float = RTOL) -> None:
 @pytest.fixture(scope="module")
 def reference():
     """One process, same seed and global batch (8), 5 steps."""
-    return spawn(train_tp, 1, 1, 8, 5, {"zero_stage": 0})[0]
+    return spawn(partial(run_layout, clip=None), 1, Layout("ref", 1, {"zero_stage": 0}, checks=()))[0]
 
 
 @pytest.fixture(scope="module")
