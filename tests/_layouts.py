@@ -29,10 +29,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import GradientHealthGuard
+from lightning_npu.parallel import data as data_parallel
 from lightning_npu.parallel.tensor import is_tensor_parallel
-from tests._gpt_workers import LossRecorder, parity_trainer
+from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 from tests._pp_workers import PP_GPT
 from tests._tp_workers import _make_model
+from tests._zero_workers import OptGPT
 
 STEPS, GLOBAL_BATCH, CLIP = 5, 8, 0.5  # CLIP: below every step's global norm, so clipping is always active
 DEFAULT_CHECKS = ("parity", "guard", "full_state")
@@ -45,17 +47,20 @@ class Layout:
     strategy: dict[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     checks: tuple[str, ...] = DEFAULT_CHECKS
-    model: dict[str, Any] = field(default_factory=dict)  # over SMALL_GPT; "arch": a `transformers` model
+    # over SMALL_GPT; "arch": a `transformers` model; "optimizer": tests/_zero_workers.py's OptGPT choice
+    model: dict[str, Any] = field(default_factory=dict)
     accumulate: int = 1  # micro-batches per optimizer step; the global batch per step stays GLOBAL_BATCH
+    clip: Optional[float] = CLIP
     expect: dict[str, Any] = field(default_factory=dict)
 
     def reference(self) -> Layout:
-        """One process, same model, precision and batch per step: what the row must reproduce."""
-        name = "-".join(["ref", self.precision, *(f"{k}={v}" for k, v in sorted(self.model.items()))])
-        return Layout(name, 1, {"zero_stage": 0}, self.precision, ("predict",), self.model)
+        """One process, same model, precision, clipping and batch per step: what the row must reproduce."""
+        name = "-".join(["ref", self.precision, *(f"{k}={v}" for k, v in sorted(self.model.items()))]
+                        + ([] if self.clip == CLIP else [f"clip={self.clip}"]))
+        return Layout(name, 1, {"zero_stage": 0}, self.precision, ("predict",), self.model, clip=self.clip)
 
     def reference_key(self) -> tuple:
-        return self.precision, tuple(sorted(self.model.items()))
+        return self.precision, tuple(sorted(self.model.items())), self.clip
 
 
 PP = {"n_layer": PP_GPT["n_layer"]}  # 4 blocks: room for pp=2 x 2 virtual stages
@@ -104,6 +109,15 @@ LAYOUTS = [
            checks=PIPE, model=PP, expect=dict(PP_STAGES, stages=[[0, 2], [1, 3]])),
     # global-norm clipping counts each stage's gradients once (all-reduced over pp); accumulation is not rescaled
     Layout("pp2-accumulate2", 2, {**PP2, "micro_batches": 2}, model=PP, accumulate=2),
+    # other optimizers (and their schedulers) under ZeRO; OptGPT's example AdamW with 3 warmup steps otherwise
+    *(Layout(f"dp2-zero{z}-{opt}", 2, {"zero_stage": z}, model={"optimizer": opt, "warmup_steps": 3})
+      for opt, stages in (("sgd", (1, 2)), ("adam_fused", (1, 3))) for z in stages),
+    # wpe frozen but in the optimizer (AdamW, weight decay 0.1): one process never steps it (no gradient), so ZeRO-1
+    # must not either (a zero gradient would still decay it by ~1e-3 relative in a few steps)
+    Layout("dp2-zero1-adamw-frozen", 2, {"zero_stage": 1}, model={"optimizer": "adamw_frozen", "warmup_steps": 3}),
+    # manual optimization, two backward passes per step (Lightning clips automatic optimization only)
+    Layout("dp2-zero1-manual-two-backwards", 2, {"zero_stage": 1}, checks=("parity", "full_state"),
+           model={"optimizer": "manual_accumulate", "warmup_steps": 3}, clip=None),
     Layout("dp2-zero1-bf16", 2, {"zero_stage": 1}, "bf16-mixed", ("guard", "guard_loss")),
     Layout("pp2-bf16", 2, PP2, "bf16-mixed", ("guard", "guard_loss")),
     # 4 and 8 processes (marked slow)
@@ -111,10 +125,24 @@ LAYOUTS = [
     Layout("dp2-tp2-zero1", 4, {**TP2, "zero_stage": 1}, expect=dict(mesh=(1, 2, 2), optimizer="DistributedOptimizer")),
     # ZeRO 3 over tp dim-0 shards: `_StridedShard` DTensors whose squared norms must be reduced over dp
     Layout("dp2-tp2-zero3", 4, {**TP2, "zero_stage": 3}, expect=dict(mesh=(1, 2, 2))),
+    # ZeRO 2/3 x sequence parallelism: the norms are DTensors replicated over tp, so FSDP2 shards them over dp only;
+    # fp32: they ride in their blocks' FSDP units
+    *(Layout(f"dp2-tp2-sp-zero{z}", 4, {**TP2, "zero_stage": z, "sequence_parallel": True}, expect=dict(
+        mesh=(1, 2, 2), fully_sharded=True, no_fsdp_units=("FSDPLayerNorm",),
+        report=("sequence parallel", "model.transformer.h.0.ln_1: norm"),
+        placements={"model.transformer.h.0.ln_1.weight": "(Shard(dim=0), Replicate())",
+                    "model.transformer.h.0.mlp.c_proj.weight": "(Shard(dim=0), Shard(dim=1))"})) for z in (2, 3)),
     Layout("pp2-tp2", 4, {**PP2, **TP2, "micro_batches": 2}, checks=PIPE, model=PP, expect=dict(mesh=(2, 1, 2))),
     # one mesh of 8: pp=2 x dp=2 x tp=2 (ZeRO-1 over dp), 1F1B with 2 micro-batches per dp rank
     Layout("pp2-dp2-tp2-zero1", 8, {**PP2, **TP2, "data_parallel_size": 2, "zero_stage": 1, "micro_batches": 2},
            checks=PIPE, model=PP, expect=dict(mesh=(2, 2, 2), stages=[[0]] * 4 + [[1]] * 4)),
+    # FSDP2 over dp on tensor-parallel stages: 2-D (dp, tp) parameters; replicated-over-tp ones dp-sharded
+    Layout("pp2-dp2-tp2-zero2", 8, {**PP2, **TP2, "data_parallel_size": 2, "zero_stage": 2, "micro_batches": 2},
+           checks=PIPE, model=PP, expect=dict(
+               mesh=(2, 2, 2), stages=[[0]] * 4 + [[1]] * 4, fully_sharded=True, optimizer="MixedPrecisionOptimizer",
+               placements={"model.transformer.h.0.attn.c_proj.weight": "(Shard(dim=0), Shard(dim=1))",
+                           "model.transformer.h.0.ln_1.weight": "(Shard(dim=0),)",
+                           "model.transformer.ln_f.weight": "(Shard(dim=0),)"})),
 ]
 
 
@@ -166,11 +194,17 @@ def _predict(trainer: L.Trainer, model: L.LightningModule, data: Any) -> Optiona
     return None if logits is None else logits.detach().clone()
 
 
-def run_layout(layout: Layout, steps: int = STEPS, clip: Optional[float] = CLIP, ckpt_dir: Optional[str] = None,
-               ckpt_in: Optional[str] = None, limit_train_batches: Optional[int] = None) -> dict[str, Any]:
+def _model(spec: dict[str, Any]) -> L.LightningModule:
+    if "optimizer" in spec:
+        return OptGPT(**{**SMALL_GPT, **spec})
+    return _make_model(spec.get("arch", "gpt"), {k: v for k, v in spec.items() if k != "arch"})
+
+
+def run_layout(layout: Layout, steps: int = STEPS, ckpt_dir: Optional[str] = None, ckpt_in: Optional[str] = None,
+               limit_train_batches: Optional[int] = None) -> dict[str, Any]:
     """Train the row's layout (checkpoint tests: every 3 steps into `ckpt_dir`, or resumed from `ckpt_in`)."""
     L.seed_everything(0, verbose=False)
-    model = _make_model(layout.model.get("arch", "gpt"), {k: v for k, v in layout.model.items() if k != "arch"})
+    model = _model(layout.model)
     recorder = StepRecorder()
     callbacks: list[L.Callback] = [recorder]
     if "guard" in layout.checks:  # ranges off: the guard only measures and logs (every step: log_every_n_steps=1)
@@ -179,7 +213,7 @@ def run_layout(layout: Layout, steps: int = STEPS, clip: Optional[float] = CLIP,
     strategy = NPUHybridStrategy(**layout.strategy)
     trainer, data = parity_trainer(
         strategy, model, layout.devices, GLOBAL_BATCH // layout.accumulate, steps, callbacks, ckpt_dir,
-        limit_train_batches, precision=layout.precision, gradient_clip_val=clip, log_every_n_steps=1,
+        limit_train_batches, precision=layout.precision, gradient_clip_val=layout.clip, log_every_n_steps=1,
         accumulate_grad_batches=layout.accumulate,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
@@ -201,6 +235,9 @@ def run_layout(layout: Layout, steps: int = STEPS, clip: Optional[float] = CLIP,
         "dp_rank": trainer.strategy.device_mesh["dp"].get_local_rank(),
         "stages": runner.local_stages if runner is not None else None,
         "sharded": is_tensor_parallel(model),
+        "fully_sharded": data_parallel.is_fully_sharded(model),
+        "fsdp_units": sorted(type(m).__name__ for m in data_parallel.fsdp_modules(model)),
+        "placements": {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()},
         "report": str(trainer.strategy.tp_report) if trainer.strategy.tp_report is not None else None,
     }
     if "predict" in layout.checks:

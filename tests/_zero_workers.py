@@ -47,7 +47,9 @@ class OptGPT(GPTModule):
             losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
-        self.log("train_loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
+        loss = torch.stack(losses).mean()
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss  # for callbacks (`outputs["loss"]`); manual optimization does not backpropagate it
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":

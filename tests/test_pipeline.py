@@ -16,11 +16,11 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def test_pp2_resume_matches_uninterrupted(tmp_path):
     """Per-stage DCP checkpoints every 3 steps; resuming from step 3 repeats steps 4-6 exactly."""
-    pp = Layout("pp2", 2, {**PP2, "micro_batches": 2}, checks=(), model=PP)
-    full = spawn(partial(run_layout, steps=6, clip=None, ckpt_dir=str(tmp_path), limit_train_batches=3), 2, pp)
+    pp = Layout("pp2", 2, {**PP2, "micro_batches": 2}, checks=(), model=PP, clip=None)
+    full = spawn(partial(run_layout, steps=6, ckpt_dir=str(tmp_path), limit_train_batches=3), 2, pp)
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
     assert ckpt.is_dir(), sorted(p.name for p in tmp_path.iterdir())
-    resumed = spawn(partial(run_layout, steps=6, clip=None, ckpt_in=str(ckpt), limit_train_batches=3), 2, pp)
+    resumed = spawn(partial(run_layout, steps=6, ckpt_in=str(ckpt), limit_train_batches=3), 2, pp)
     assert resumed[0]["global_step"] == 6
     for r_full, r_res in zip(full, resumed):
         torch.testing.assert_close(torch.tensor(r_res["logged"]), torch.tensor(r_full["logged"][3:]), rtol=RTOL, atol=0)

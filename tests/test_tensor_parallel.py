@@ -26,17 +26,17 @@ def test_resume_under_tp(tmp_path):
     and at tp=1 both repeat steps 4-6 exactly."""
     from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, consolidate_model_state
 
-    tp2, tp1 = Layout("tp2", 2, TP2, checks=()), Layout("tp1", 1, {"zero_stage": 0}, checks=())
-    full = spawn(partial(run_layout, steps=6, clip=None, ckpt_dir=str(tmp_path), limit_train_batches=3), 2, tp2)
+    tp2, tp1 = Layout("tp2", 2, TP2, checks=(), clip=None), Layout("tp1", 1, {"zero_stage": 0}, checks=(), clip=None)
+    full = spawn(partial(run_layout, steps=6, ckpt_dir=str(tmp_path), limit_train_batches=3), 2, tp2)
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
     assert ckpt.is_dir(), sorted(p.name for p in tmp_path.iterdir())
     stored = checkpoint_tensor_metadata(ckpt)["state_dict.model.transformer.h.0.attn.c_attn.weight"]
     assert tuple(stored.size) == (96, 32) and len(stored.chunks) == 2  # the full tensor, written as 2 tp shards
-    resume = partial(run_layout, steps=6, clip=None, ckpt_in=str(ckpt), limit_train_batches=3)
+    resume = partial(run_layout, steps=6, ckpt_in=str(ckpt), limit_train_batches=3)
     resumed, (relaid,) = spawn(resume, 2, tp2), spawn(resume, 1, tp1)
     # consolidation (`lightning-npu convert-checkpoint`) restores the original q|k|v layout: the tp=2 step-3
     # checkpoint consolidates to the one a single process writes at step 3
-    spawn(partial(run_layout, steps=3, clip=None, ckpt_dir=str(tmp_path / "tp1"), limit_train_batches=3), 1, tp1)
+    spawn(partial(run_layout, steps=3, ckpt_dir=str(tmp_path / "tp1"), limit_train_batches=3), 1, tp1)
     tp2_full, _ = consolidate_model_state(ckpt)
     tp1_full, _ = consolidate_model_state(tmp_path / "tp1" / "epoch=0-step=3.ckpt")
     assert tp2_full.keys() == tp1_full.keys()

@@ -3,8 +3,6 @@
 Parity with one process (fp32), per-rank parameter bytes, DCP checkpoint resume, and loading across tp sizes.
 """
 
-from functools import partial
-
 import pytest
 import torch
 
@@ -34,7 +32,7 @@ def assert_losses(got: list, ref: list) -> None:
 @pytest.fixture(scope="module")
 def reference():
     """One process, same seed and global batch (8), 5 steps."""
-    return spawn(partial(run_layout, clip=None), 1, Layout("ref", 1, {"zero_stage": 0}, checks=()))[0]
+    return spawn(run_layout, 1, Layout("ref", 1, {"zero_stage": 0}, checks=(), clip=None))[0]
 
 
 @pytest.fixture(scope="module")
