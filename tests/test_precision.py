@@ -168,7 +168,7 @@ def test_precision_flags_map_to_hybrid_precision_and_others_fail():
 
 # ---- multi-process ---------------------------------------------------------------------------
 _OVERFLOW_REC = {"snapshot_params": True, "inject_inf_at": (2, 3), "inject_rank": 1}
-_EPOCHS = (False, 0, 3)  # reference_strategy, seed, limit_train_batches: 3-step epochs, resume at a boundary
+_EPOCHS = (0, 3)  # seed, limit_train_batches: 3-step epochs, resume at a boundary
 
 
 def _overflow_args(precision: str, zero_stage: int) -> tuple:
@@ -196,7 +196,7 @@ def test_overflow_on_one_rank_skips_everywhere_under_zero1():
     (parameters and LR schedule unchanged; a per-rank decision would deadlock ZeRO-1's all-gathers), the scale
     halves on the second overflow (hysteresis 2), then grows after 3 clean steps; training continues.
     bf16-true: bf16 parameters, the DistributedOptimizer's fp32 master slices."""
-    _assert_skipped_everywhere(spawn(train, 2, 2, *_overflow_args("bf16-true", 1), None, 3, None, *_EPOCHS))
+    _assert_skipped_everywhere(spawn(train, 2, 2, *_overflow_args("bf16-true", 1), None, None, *_EPOCHS))
 
 
 def test_overflow_skip_and_resume_restore_the_loss_scale(tmp_path):
@@ -204,13 +204,13 @@ def test_overflow_skip_and_resume_restore_the_loss_scale(tmp_path):
     (incl. its hysteresis state) exactly and repeats the uninterrupted run bit for bit. (ZeRO-1 + scheduler resume:
     tests/test_foundation_parity.py; bf16-true under ZeRO 0/1: test_bf16_true_checkpoint_resume_dp2_zero0_1_3.)"""
     args = _overflow_args("bf16-mixed", 0)
-    full = spawn(train, 2, 2, *args, str(tmp_path), 3, None, *_EPOCHS)
+    full = spawn(train, 2, 2, *args, str(tmp_path), None, *_EPOCHS)
     _assert_skipped_everywhere(full)
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
     # the default single file under dp-only ZeRO 0 (a sharded directory keeps it in rank 0's meta.pt)
     saved = (read_meta(ckpt) if ckpt.is_dir() else torch.load(ckpt, weights_only=False))["HybridPrecision"]
     assert saved["loss_scaler"] == {"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 1}
-    resumed = spawn(train, 2, 2, *args, None, 3, str(ckpt), *_EPOCHS)
+    resumed = spawn(train, 2, 2, *args, None, str(ckpt), *_EPOCHS)
     for r, f in zip(resumed, full):  # each rank's local losses (ranks see different data)
         assert r["global_step"] == 8
         # a fresh scaler (hysteresis 2) would absorb step 3's overflow and keep 1024
