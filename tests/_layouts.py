@@ -121,8 +121,9 @@ LAYOUTS = [
     Layout("dp2-zero1-bf16", 2, {"zero_stage": 1}, "bf16-mixed", ("guard", "guard_loss")),
     Layout("pp2-bf16", 2, PP2, "bf16-mixed", ("guard", "guard_loss")),
     # 4 and 8 processes (marked slow)
-    Layout("dp2-tp2-zero0", 4, TP2, expect=dict(mesh=(1, 2, 2), optimizer="MixedPrecisionOptimizer")),
-    Layout("dp2-tp2-zero1", 4, {**TP2, "zero_stage": 1}, expect=dict(mesh=(1, 2, 2), optimizer="DistributedOptimizer")),
+    Layout("dp2-tp2-zero0", 4, TP2, expect=dict(mesh=(1, 2, 2), optimizer="MixedPrecisionOptimizer", sharded=True)),
+    Layout("dp2-tp2-zero1", 4, {**TP2, "zero_stage": 1},
+           expect=dict(mesh=(1, 2, 2), optimizer="DistributedOptimizer", sharded=True)),
     # ZeRO 3 over tp dim-0 shards: `_StridedShard` DTensors whose squared norms must be reduced over dp
     Layout("dp2-tp2-zero3", 4, {**TP2, "zero_stage": 3}, expect=dict(mesh=(1, 2, 2))),
     # ZeRO 2/3 x sequence parallelism: the norms are DTensors replicated over tp, so FSDP2 shards them over dp only;
