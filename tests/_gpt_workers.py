@@ -1,15 +1,13 @@
-"""Module-level training functions that `lightning_npu.launch.spawn` runs in real processes."""
+"""The parity workers' model size and their one Trainer builder (tests/_layouts.py runs the layouts through it)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import lightning as L
-import torch
 
 import lightning_npu
 from examples.gpt.data import TextDataModule
-from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 
 # Adam divides by |g| + eps: on near-zero gradients (the key bias's is exactly zero, since softmax is
@@ -48,8 +46,8 @@ def parity_trainer(
     limit_train_batches: Optional[int] = None,
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, TextDataModule]:
-    """The Trainer and data of every parity worker: the same global batch whatever the layout (per-rank batch =
-    global // dp, unshuffled), fp32, checkpoints every 3 steps into `ckpt_dir` when given."""
+    """The one Trainer (and data) of the multi-process workers: the same global batch whatever the layout (per-rank
+    batch = global // dp, unshuffled), fp32 unless told, checkpoints every 3 steps into `ckpt_dir` when given."""
     if ckpt_dir is not None:
         callbacks = [*callbacks, L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3,
                                                                      save_top_k=-1)]
@@ -74,38 +72,3 @@ def parity_trainer(
         **{"precision": "32-true", **trainer_kwargs},
     )
     return trainer, data
-
-
-def train_gpt(
-    devices: int,
-    global_batch: int,
-    steps: int,
-    strategy_kwargs: Optional[dict[str, Any]] = None,
-    ckpt_dir: Optional[str] = None,
-    ckpt_in: Optional[str] = None,
-    precision: str = "32-true",
-    model_kwargs: Optional[dict[str, Any]] = None,
-    limit_train_batches: Optional[int] = None,
-    seed: int = 0,
-    accumulate_grad_batches: int = 1,
-) -> dict[str, Any]:
-    L.seed_everything(seed, verbose=False)
-    strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
-    model = GPTModule(**{**SMALL_GPT, **(model_kwargs or {})})
-    recorder = LossRecorder()
-    trainer, data = parity_trainer(
-        strategy, model, devices, global_batch, steps, [recorder], ckpt_dir, limit_train_batches,
-        precision=precision, accumulate_grad_batches=accumulate_grad_batches,
-    )
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
-    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
-    return {
-        "logged": recorder.logged,
-        "local": recorder.local,
-        "lr": recorder.lr,
-        "state": full_state(model),
-        "val_loss": float(val),
-        "global_step": trainer.global_step,
-        "optimizer": type(trainer.strategy.optimizers[0]).__name__,
-        "mesh": tuple(trainer.strategy.device_mesh.mesh.shape) if trainer.strategy._device_mesh is not None else None,
-    }

@@ -9,14 +9,9 @@ import lightning as L
 import torch
 
 import lightning_npu
-from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import HybridPrecision, NPUHybridStrategy
-
-# as in tests/_gpt_workers.py: bias=False and eps=1e-5 keep fp32 parity at rtol 1e-5 (see there)
-TINY_GPT = dict(
-    n_layer=2, n_head=4, n_embd=32, block_size=32, learning_rate=3e-3, weight_decay=0.1, bias=False, eps=1e-5
-)
+from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -39,15 +34,13 @@ class Recorder(L.Callback):
     """Per optimizer step: logged metrics, LR, scheduler counter, and (optionally) a parameter snapshot."""
 
     def __init__(self, snapshot_params: bool = False, inject_inf_at: tuple[int, ...] = (), inject_rank: int = 1,
-                 grad_norm_reference: bool = False, snapshot_masters: bool = False) -> None:
+                 snapshot_masters: bool = False) -> None:
         self.snapshot_params = snapshot_params
         self.snapshot_masters = snapshot_masters
         self.start_masters: Optional[dict[str, torch.Tensor]] = None
         self.inject_inf_at = set(inject_inf_at)
         self.inject_rank = inject_rank
-        self.grad_norm_reference = grad_norm_reference
         self.rows: list[dict[str, Any]] = []
-        self.ref_norms: list[float] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.snapshot_masters:  # after a resume: what the checkpoint restored
@@ -61,11 +54,6 @@ class Recorder(L.Callback):
             grads = [p.grad for p in stepped + list(pl_module.parameters()) if p.grad is not None]
             grad = next(g.to_local() if hasattr(g, "to_local") else g for g in grads if g.numel() > 0)
             grad.view(-1)[0] = float("inf")
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.grad_norm_reference:  # torch's own total norm of the (unclipped, unscaled) gradients
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            self.ref_norms.append(float(torch.nn.utils.get_total_norm(grads, 2.0)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
@@ -96,57 +84,29 @@ def train(
     gradient_clip_val: Optional[float] = None,
     recorder_kwargs: Optional[dict[str, Any]] = None,
     ckpt_dir: Optional[str] = None,
-    ckpt_every: int = 3,
     ckpt_in: Optional[str] = None,
-    reference_strategy: bool = False,
     seed: int = 0,
     limit_train_batches: Optional[int] = None,
 ) -> dict[str, Any]:
-    """Train the tiny GPT. `reference_strategy=True` uses Lightning's own single-device strategy (no lightning-npu)."""
+    """Train the small GPT (`plugin_kwargs`: through an explicit HybridPrecision plugin); checkpoints every 3 steps.
+    Resume at an epoch boundary (`limit_train_batches`): Lightning restarts a mid-epoch dataloader from the epoch's
+    start."""
     L.seed_everything(seed, verbose=False)
-    model = GPTModule(**{**TINY_GPT, **(model_kwargs or {})})
+    model = GPTModule(**{**SMALL_GPT, **(model_kwargs or {})})
     recorder = Recorder(**(recorder_kwargs or {}))
-    callbacks: list[L.Callback] = [recorder]
-    if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every,
-                                                             save_top_k=-1))
-    kwargs: dict[str, Any] = {}
-    if reference_strategy:
-        kwargs.update(strategy="auto", precision=precision)
-        dp = 1
+    if plugin_kwargs is not None:
+        precision_kwargs = {"plugins": [HybridPrecision(precision, **plugin_kwargs)], "precision": None}
     else:
-        strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
-        kwargs["strategy"] = strategy
-        if plugin_kwargs is not None:
-            kwargs["plugins"] = [HybridPrecision(precision, **plugin_kwargs)]
-        else:
-            kwargs["precision"] = precision
-        cfg = strategy.parallel_config
-        dp = devices // cfg.tensor_parallel_size // cfg.pipeline_parallel_size
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=global_batch // dp, shuffle=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        max_steps=steps,
-        limit_val_batches=0,
-        # resume at an epoch boundary: Lightning restarts a mid-epoch dataloader from the epoch's start
-        limit_train_batches=limit_train_batches,
-        logger=False,
-        enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        gradient_clip_val=gradient_clip_val,
-        deterministic=True,
-        num_sanity_val_steps=0,
-        **kwargs,
+        precision_kwargs = {"precision": precision}
+    trainer, data = parity_trainer(
+        NPUHybridStrategy(**(strategy_kwargs or {})), model, devices, global_batch, steps, [recorder], ckpt_dir,
+        limit_train_batches, gradient_clip_val=gradient_clip_val, num_sanity_val_steps=0, **precision_kwargs,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     plugin = trainer.precision_plugin
     return {
         "rows": recorder.rows,
         "start_masters": recorder.start_masters,
-        "ref_norms": recorder.ref_norms,
         "state": full_state(model),
         "plugin": type(plugin).__name__,
         "scaler": plugin.scaler.state_dict() if getattr(plugin, "scaler", None) is not None else None,
@@ -157,7 +117,7 @@ def train(
 
 
 def loss_curves(precisions: list[str], steps: int) -> dict[str, list[float]]:
-    """Train the same tiny GPT from the same seed under each precision in turn (one process, dp=1)."""
+    """Train the same small GPT from the same seed under each precision in turn (one process, dp=1)."""
     out = {}
     for precision in precisions:
         result = train(1, steps, precision, global_batch=8, model_kwargs={"n_embd": 64, "block_size": 64})

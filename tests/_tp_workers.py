@@ -1,4 +1,4 @@
-"""Module-level tensor-parallel training functions that `lightning_npu.launch.spawn` runs in real processes."""
+"""Tensor-parallel models and checks that `lightning_npu.launch.spawn` runs in real processes."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-import lightning_npu
-from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel.tp_shards import tensor_parallel_parameter_names
-from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
+from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 
 class HFCausalLM(GPTModule):
@@ -50,44 +47,6 @@ def _make_model(arch: str, model_kwargs: Optional[dict[str, Any]]) -> L.Lightnin
     if arch == "gpt":
         return GPTModule(**kwargs)
     return HFCausalLM(arch, **kwargs)
-
-
-def train_tp(
-    devices: int,
-    global_batch: int,
-    steps: int,
-    strategy_kwargs: Optional[dict[str, Any]] = None,
-    arch: str = "gpt",
-    model_kwargs: Optional[dict[str, Any]] = None,
-    ckpt_dir: Optional[str] = None,
-    ckpt_in: Optional[str] = None,
-    limit_train_batches: Optional[int] = None,
-    seed: int = 0,
-) -> dict[str, Any]:
-    L.seed_everything(seed, verbose=False)
-    strategy = NPUHybridStrategy(**(strategy_kwargs or {}))
-    model = _make_model(arch, model_kwargs)
-    recorder = LossRecorder()
-    trainer, data = parity_trainer(
-        strategy, model, devices, global_batch, steps, [recorder], ckpt_dir, limit_train_batches
-    )
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
-    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
-    sharded = bool(tensor_parallel_parameter_names(model))
-    local_numel = sum(p.numel() for p in model.parameters())
-    state = lightning_npu.full_state_dict(model)
-    return {
-        "logged": recorder.logged,
-        "local": recorder.local,
-        "state": {k: v.detach().clone().cpu() for k, v in state.items()},
-        "val_loss": float(val),
-        "global_step": trainer.global_step,
-        "optimizer": type(trainer.strategy.optimizers[0]).__name__,
-        "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
-        "sharded": sharded,
-        "local_numel": local_numel,
-        "report": str(trainer.strategy.tp_report) if trainer.strategy.tp_report is not None else None,
-    }
 
 
 def vocab_parallel_ce_check(seed: int = 0) -> dict[str, Any]:
@@ -131,9 +90,7 @@ def fit_expect_error(tp: int, model_kwargs: dict[str, Any], extra_linear: bool =
     model = GPTModule(**{**SMALL_GPT, **model_kwargs})
     if extra_linear:
         model.model.adapter = torch.nn.Linear(8, 8)
-    trainer = L.Trainer(accelerator="cpu", devices=tp, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    data = TextDataModule(block_size=model.hparams.block_size, batch_size=2, shuffle=False)
+    trainer, data = parity_trainer(strategy, model, tp, 2, 1, [], num_sanity_val_steps=0)
     try:
         trainer.fit(model, datamodule=data)
     except Exception as err:  # noqa: BLE001

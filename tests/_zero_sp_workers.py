@@ -52,17 +52,12 @@ def train_zero_sp(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
-    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
-    sharded = data_parallel.is_fully_sharded(model)
     return {
         "logged": recorder.logged,
         "state": full_state(model),
-        "val_loss": float(val),
         "global_step": trainer.global_step,
         "mesh": tuple(trainer.strategy.device_mesh.mesh.shape),
-        "fully_sharded": sharded,
         "fsdp_units": sorted(type(m).__name__ for m in data_parallel.fsdp_modules(model)),
-        "placements": {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()},
         "norm_weight_dtypes": sorted(norm_dtypes),
         "warnings": [str(w.message) for w in caught],
         "report": str(trainer.strategy.tp_report) if trainer.strategy.tp_report is not None else None,

@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 
 import lightning_npu
-from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel import checkpoint as ckpt
 from lightning_npu.parallel import data as data_parallel
-from tests._gpt_workers import SMALL_GPT
+from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 
 class OptGPT(GPTModule):
@@ -48,7 +47,9 @@ class OptGPT(GPTModule):
             losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
-        self.log("train_loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
+        loss = torch.stack(losses).mean()
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss  # for callbacks (`outputs["loss"]`); manual optimization does not backpropagate it
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":
@@ -146,29 +147,6 @@ def full_optimizer_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _trainer(devices, strategy, steps, callbacks, accumulate=1, ckpt_dir=None, every=3, limit_train_batches=None):
-    if ckpt_dir is not None:
-        callbacks = callbacks + [
-            L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)
-        ]
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=steps,
-        limit_train_batches=limit_train_batches,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=ckpt_dir is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        deterministic=True,
-        accumulate_grad_batches=accumulate,
-    )
-
-
 def run(
     devices: int,
     zero_stage: int,
@@ -198,10 +176,8 @@ def run(
                 restored["optim"] = full_optimizer_state(trainer)
                 restored["step"] = trainer.global_step
 
-    trainer = _trainer(
-        devices, strategy, steps, [probe, Restored()], accumulate, ckpt_dir, limit_train_batches=limit_train_batches
-    )
-    data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=global_batch // devices, shuffle=False)
+    trainer, data = parity_trainer(strategy, model, devices, global_batch, steps, [probe, Restored()], ckpt_dir,
+                                   limit_train_batches, num_sanity_val_steps=0, accumulate_grad_batches=accumulate)
     with probe.counting():
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_in)
     out = {
@@ -261,8 +237,7 @@ def crash_and_mismatch(tmp: str) -> dict[str, Any]:
     tmp_path = Path(tmp)
     L.seed_everything(0, verbose=False)
     model = OptGPT(**SMALL_GPT)
-    trainer = _trainer(world, NPUHybridStrategy(zero_stage=3), 2, [])
-    data = TextDataModule(block_size=SMALL_GPT["block_size"], batch_size=4 // world, shuffle=False)
+    trainer, data = parity_trainer(NPUHybridStrategy(zero_stage=3), model, world, 4, 2, [], num_sanity_val_steps=0)
     trainer.fit(model, datamodule=data)
     good = tmp_path / "last.ckpt"
     trainer.save_checkpoint(good)
@@ -284,7 +259,7 @@ def crash_and_mismatch(tmp: str) -> dict[str, Any]:
     _world()
     L.seed_everything(1, verbose=False)
     fresh = OptGPT(**SMALL_GPT)
-    t2 = _trainer(world, NPUHybridStrategy(zero_stage=1), 2, [])
+    t2, _ = parity_trainer(NPUHybridStrategy(zero_stage=1), fresh, world, 4, 2, [], num_sanity_val_steps=0)
     t2.fit(fresh, datamodule=data, ckpt_path=str(good))  # max_steps already reached: restore only
     loaded = full_params(fresh)
 
@@ -292,7 +267,7 @@ def crash_and_mismatch(tmp: str) -> dict[str, Any]:
     for name, kwargs in {"fewer_layers": {"n_layer": 1}, "more_layers": {"n_layer": 3}, "wider": {"n_embd": 48}}.items():
         _world()
         other = OptGPT(**{**SMALL_GPT, **kwargs})
-        t3 = _trainer(world, NPUHybridStrategy(zero_stage=0), 3, [])
+        t3, _ = parity_trainer(NPUHybridStrategy(zero_stage=0), other, world, 4, 3, [], num_sanity_val_steps=0)
         try:
             t3.fit(other, datamodule=data, ckpt_path=str(good))
             errors[name] = None

@@ -1,4 +1,4 @@
-"""The strategy under real torchrun, and gradient accumulation parity under dp=2."""
+"""The strategy under real torchrun. (Gradient accumulation under dp=2: the layout table, tests/test_layouts.py.)"""
 
 import json
 import os
@@ -6,9 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_npu.launch import spawn
-from tests._gpt_workers import train_gpt
-from tests.test_foundation_parity import assert_same_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,11 +26,3 @@ def test_torchrun_collectives_predict_validate(tmp_path):
     assert r0["pred_batches"] == 2 and r0["pred_shape"] == [4, 32]
     assert r0["val_loss"] == r1["val_loss"]  # sync_dist=True makes the logged value global
 
-
-def test_gradient_accumulation_dp2_matches_single_process_big_batch():
-    """dp=2 x accumulate 2 x micro-batch 2 == 1 process x batch 8 (no gradient sync on the first micro-step)."""
-    ref = spawn(train_gpt, 1, 1, 8, 3, {"zero_stage": 0})[0]
-    ranks = spawn(train_gpt, 2, 2, 4, 3, {"zero_stage": 1}, None, None, "32-true", {}, None, 0, 2)
-    assert ranks[0]["global_step"] == 3
-    for rank in ranks:
-        assert_same_state(rank["state"], ref["state"])

@@ -8,7 +8,7 @@ import torch
 
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.config import ParallelConfig
-from tests._tp_workers import train_tp
+from tests._layouts import Layout, run_layout
 from tests._zero_tp_workers import run_many
 
 RTOL, ATOL = 1e-5, 1e-6  # see test_foundation_parity: a wrong reduction or shard moves params by ~lr = 3e-3
@@ -32,7 +32,7 @@ def assert_losses(got: list, ref: list) -> None:
 @pytest.fixture(scope="module")
 def reference():
     """One process, same seed and global batch (8), 5 steps."""
-    return spawn(train_tp, 1, 1, 8, 5, {"zero_stage": 0})[0]
+    return spawn(run_layout, 1, Layout("ref", 1, {"zero_stage": 0}, checks=(), clip=None))[0]
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,9 @@ def optimizer_groups(module: nn.Module, optimizer: Any) -> list[dict[str, Any]]:
     if group is not None:
         parts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, groups, group=group)
-        groups = [{**gs[0], "params": [f for g in gs for f in g["params"]]} for gs in zip(*parts)]
+        order = getattr(module, "_lnpu_parameter_order", None) or {}
+        groups = [{**gs[0], "params": sorted((f for g in gs for f in g["params"]), key=lambda f: order.get(f, len(order)))}
+                  for gs in zip(*parts)]
     return groups
 
 

@@ -128,6 +128,9 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any,
     """Keep only this rank's stages of `model` (in place) and build their schedules."""
     from lightning_npu.parallel.pipeline import PipelineRunner
 
+    # the whole model's parameter order: a single-file optimizer state indexes the stages' parameters by it, as a
+    # one-process run does (interleaved stages would otherwise come rank by rank)
+    model._lnpu_parameter_order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
     runner = PipelineRunner(model, plan, mesh["pp"], device, cfg.pipeline_schedule,
                             cfg.micro_batches or cfg.pipeline_parallel_size)
     # Lightning broadcasts rank 0's parameters before validate/test: pipeline stages hold different modules
