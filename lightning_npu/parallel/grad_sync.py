@@ -142,6 +142,11 @@ class GradientBuckets:
     the full local gradients are dropped. ``shard=False`` (zero 0 under pp): all-reduce; the averaged gradients
     go back into each parameter's ``.grad``. With ``overlap`` a bucket launches from post-accumulate-grad hooks
     as soon as its last gradient is ready; otherwise `finish` launches them all.
+
+    The local gradients are copied once into a rank-major send buffer at launch, as FSDP2 does, rather than
+    accumulated into it: a gradient cannot be a view of a rank-major buffer (its rows land in every rank's chunk),
+    and Megatron's parameter-blind flat sharding would cost the ``Shard(0)`` DTensor slices that checkpoints
+    reshard and ``.grad`` shows. Measured: 0.08% of a ZeRO-1 step of the throughput benchmark's GPT.
     """
 
     def __init__(self, params: list[nn.Parameter], dp_mesh: DeviceMesh, bucket_size_mb: float, shard: bool,
