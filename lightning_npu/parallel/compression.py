@@ -332,11 +332,13 @@ class Compressor:
 
         if params is None:
             raise ValueError("PowerSGD factorises each gradient: Compressor.sum needs the bucket's `params`.")
-        matrices = matrices_of(flat, parts, params)
+        # each matrix's warm-start Q is kept under its parameter's name, whatever bucket holds it (DDP rebuilds them)
+        names = [self._names.get(id(p)) or f"{key}.{i}" for i, p in enumerate(params)]
         own = flat.clone()  # uncompressed values are sent exactly: their residual is zero
-        compress = [(v, rows) for v, rows in matrices if _powersgd_pays(v.shape[0] * v.shape[1], v.shape[2], spec.rank)]
+        compress = [(v, rows, name) for (v, rows), name in zip(matrices_of(flat, parts, params), names)
+                    if _powersgd_pays(v.shape[0] * v.shape[1], v.shape[2], spec.rank)]
         covered = torch.zeros_like(flat, dtype=torch.bool)
-        for v, _ in compress:
+        for v, _, _ in compress:
             _same_view(covered, flat, v).fill_(True)
         rest = ~covered
         if bool(rest.any()):
@@ -346,25 +348,25 @@ class Compressor:
         if not compress:
             return own
         qs = []
-        for i, (v, _) in enumerate(compress):
+        for i, (v, _, q_key) in enumerate(compress):
             cols, rank = v.shape[2], min(spec.rank, v.shape[0] * v.shape[1], v.shape[2])
-            q = self.q_factors.get(f"{key}.{i}")
+            q = self.q_factors.get(q_key)
             if q is None or q.shape != (cols, rank):
                 generator = torch.Generator().manual_seed(i)  # the same start on every rank
-                q = self.q_factors[f"{key}.{i}"] = torch.randn(cols, rank, generator=generator).to(flat.device)
+                q = self.q_factors[q_key] = torch.randn(cols, rank, generator=generator).to(flat.device)
             qs.append(q)
-        ps = [torch.matmul(v, q) for (v, _), q in zip(compress, qs)]  # (parts, rows, r): M @ Q
+        ps = [torch.matmul(v, q) for (v, _, _), q in zip(compress, qs)]  # (parts, rows, r): M @ Q
         p_all = torch.cat([p.flatten() for p in ps])
         dist.all_reduce(p_all, group=group)
         ps = [chunk.view_as(p) for chunk, p in zip(p_all.split([p.numel() for p in ps]), ps)]
         for p in ps:
             _orthogonalize(p.view(1, -1, p.shape[-1]), epsilon=1e-8)
-        q_all = torch.cat([torch.einsum("bmn,bmr->nr", v, p).flatten() for (v, _), p in zip(compress, ps)])
+        q_all = torch.cat([torch.einsum("bmn,bmr->nr", v, p).flatten() for (v, _, _), p in zip(compress, ps)])
         dist.all_reduce(q_all, group=group)
         world = dist.get_world_size(group)
-        for i, ((v, rows), p, q) in enumerate(zip(compress, ps, q_all.split([q.numel() for q in qs]))):
+        for i, ((v, rows, q_key), p, q) in enumerate(zip(compress, ps, q_all.split([q.numel() for q in qs]))):
             q = q.view_as(qs[i])
-            self.q_factors[f"{key}.{i}"] = q.clone()  # warm start: next step begins from this Q
+            self.q_factors[q_key] = q.clone()  # warm start: next step begins from this Q
             total = torch.matmul(p, q.t())  # the low-rank SUM, (parts, rows per part, cols)
             total.view(-1, total.shape[-1])[rows:] = 0  # zero-padded rows (ZeRO-1's last chunk) stay zero
             v.copy_(total)
