@@ -9,7 +9,7 @@ Compared number: the mean of the last 10 logged (dp-mean) train losses, each arm
 Those are the same 10 batches in every arm; the runs are deterministic (same numbers every run on one machine).
 
 Measured with torch 2.13 on CPU (last-10 mean; uncompressed 1.023, first 10 steps 5.5): bf16 +0.23%, int8 +0.94%,
-topk 0.1 +54.6%, onebit (30 warm-up steps) +68%, powersgd rank 1 +91% (+161% when it factorised the whole bucket
+topk 0.1 +54.6%, onebit (30 warm-up steps) +68%, powersgd rank 1 +93% (+161% when it factorised the whole bucket
 as one matrix; rank 4: +40%); topk 0.3 with error feedback +15.0%, without
 +30%. topk, onebit and powersgd miss 3%: strict xfails below, so fixing them turns the test red until the
 marks go. A likely cause: AdamW divides each coordinate by its own gradient RMS, so a coordinate that arrives rarely
@@ -88,7 +88,7 @@ def test_uncompressed_loss_falls(runs):
     "bf16", "int8",
     pytest.param("topk", marks=pytest.mark.xfail(strict=True, reason=_BELOW.format("-6.0%"))),
     pytest.param("onebit", marks=pytest.mark.xfail(strict=True, reason=_BELOW.format("-6.4%"))),
-    pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+91%"))),
+    pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+93%"))),
 ])
 def test_compressed_ends_within_3_percent(runs, mode):
     base, got = tail(runs["none"]), tail(runs[mode])

@@ -94,30 +94,37 @@ class FrozenVarianceAdam:
             del self._frozen_now[k]
         decoupled_default = isinstance(optimizer, torch.optim.AdamW)
         for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             beta1, beta2 = (float(b) for b in group["betas"])
             lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-            decoupled = group.get("decoupled_weight_decay", decoupled_default)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad, state = p.grad, optimizer.state[p]
+            for p in params:
+                state = optimizer.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if wd:
-                    if decoupled:
-                        p.mul_(1 - lr * wd)
-                    else:
-                        grad = grad.add(p, alpha=wd)
+            states = [optimizer.state[p] for p in params]
+            grads = [p.grad for p in params]
+            if wd and group.get("decoupled_weight_decay", decoupled_default):
+                torch._foreach_mul_(params, 1 - lr * wd)
+            elif wd:
+                grads = torch._foreach_add(grads, params, alpha=wd)
+            for state in states:
                 state["step"] += 1
-                step = float(state["step"])
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                if id(p) in frozen:
-                    seen = frozen[id(p)]  # the dense steps the frozen variance averaged
-                else:
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    seen = step
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** seen)).add_(eps)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+            torch._foreach_lerp_([s["exp_avg"] for s in states], grads, 1 - beta1)
+            live = [i for i, p in enumerate(params) if id(p) not in frozen]
+            if live:
+                squares = [states[i]["exp_avg_sq"] for i in live]
+                torch._foreach_mul_(squares, beta2)
+                torch._foreach_addcmul_(squares, [grads[i] for i in live], [grads[i] for i in live], value=1 - beta2)
+            steps = [float(s["step"]) for s in states]
+            # the frozen variance averaged the warm-up's dense steps: its bias correction stays theirs
+            seen = [frozen.get(id(p), n) for p, n in zip(params, steps)]
+            denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            torch._foreach_div_(denom, [math.sqrt(1 - beta2 ** n) for n in seen])
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denom,
+                                    [-lr / (1 - beta1 ** n) for n in steps])
         return True
