@@ -15,7 +15,7 @@ be stepped so; anything else is refused when the optimizers are bound.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -24,23 +24,22 @@ class FrozenVarianceAdam:
     """The Adam optimizers whose momentum is compressed, and their step with the variance frozen."""
 
     def __init__(self) -> None:
-        # id(model parameter) -> (torch Adam/AdamW, the parameter it steps: the parameter or its fp32 master)
-        self._adam: dict[int, tuple[Any, torch.Tensor]] = {}
+        # id(model parameter) -> (torch Adam/AdamW, the parameter it steps (the parameter or its fp32 master), its group)
+        self._adam: dict[int, tuple[Any, torch.Tensor, dict[str, Any]]] = {}
         # the stepped parameters whose momentum this step sent compressed -> the dense steps their variance saw
         self._frozen_now: dict[int, int] = {}
 
     def bind(self, optimizers: list[Any]) -> None:
-        """The strategy's `MixedPrecisionOptimizer` wrappers: each must wrap a plain Adam/AdamW stepping unsharded
-        parameters (zero_stage 0); it then steps through `step`."""
+        """The strategy's `MixedPrecisionOptimizer` wrappers (zero_stage 0: `ParallelConfig` refuses ZeRO 1): each
+        must wrap a plain Adam/AdamW; it then steps through `step`."""
         from lightning_npu.parallel.compression import CompressionConfigError
 
         for wrapper in optimizers:
             inner = getattr(wrapper, "optimizer", None)
-            if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or hasattr(wrapper, "grad_buckets"):
+            if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
                 raise CompressionConfigError(
                     f"`gradient_compression` frozen_variance=True (1-bit Adam) freezes the variance of "
-                    f"torch.optim.Adam or AdamW stepping whole parameters (zero_stage=0); got {type(inner).__name__}"
-                    f"{' under ZeRO-1' if hasattr(wrapper, 'grad_buckets') else ''}. Use frozen_variance=False "
+                    f"torch.optim.Adam or AdamW; got {type(inner).__name__}. Use frozen_variance=False "
                     "(gradient error feedback) with other optimizers.")
             for group in inner.param_groups:
                 bad = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
@@ -50,13 +49,13 @@ class FrozenVarianceAdam:
             masters = {id(m): p for p, m in getattr(wrapper, "master_pairs", ())}
             for group in inner.param_groups:
                 for p in group["params"]:
-                    self._adam[id(masters.get(id(p), p))] = (inner, p)
+                    self._adam[id(masters.get(id(p), p))] = (inner, p, group)
             wrapper.step_override = self.step
 
     def momentum(self, flat: torch.Tensor, warmup_steps: int, params: Optional[list[torch.Tensor]],
-                 parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Adam momentum of the gradients in `flat` (back to back) and each value's beta1; records the
-        parameters as frozen for this step's `step`."""
+                 parts: int) -> tuple[torch.Tensor, Union[float, torch.Tensor]]:
+        """The Adam momentum of the gradients in `flat` (back to back) and its beta1 (one number, or one per value
+        where the parameters' groups differ); records the parameters as frozen for this step's `step`."""
         if params is None or parts != 1:
             raise ValueError("frozen_variance compresses Adam's momentum: Compressor.sum needs the bucket's `params` "
                              "in one part (zero_stage=0).")
@@ -69,17 +68,17 @@ class FrozenVarianceAdam:
                 raise CompressionConfigError(
                     "`gradient_compression` frozen_variance=True: a compressed parameter is not stepped by a bound "
                     "torch.optim.Adam/AdamW.")
-            optimizer, stepped = entry
-            state = optimizer.state.get(stepped, {})
-            m = state.get("exp_avg")
+            optimizer, stepped, group = entry
+            m = optimizer.state.get(stepped, {}).get("exp_avg")
             ms.append(torch.zeros(p.numel(), device=flat.device) if m is None else m.detach().flatten().float())
-            beta1 = next(g["betas"][0] for g in optimizer.param_groups if any(q is stepped for q in g["params"]))
-            betas.append(torch.full((p.numel(),), float(beta1), device=flat.device))
+            betas.append(float(group["betas"][0]))  # the group's current value (a scheduler may change it)
             self._frozen_now[id(stepped)] = warmup_steps
-        m, beta1 = torch.cat(ms), torch.cat(betas)
+        m = torch.cat(ms)
         if m.numel() != flat.numel():
             raise ValueError(f"frozen_variance: the bucket holds {flat.numel()} values, its parameters {m.numel()}.")
-        return m, beta1
+        if len(set(betas)) == 1:
+            return m, betas[0]
+        return m, torch.cat([torch.full((p.numel(),), b, device=flat.device) for p, b in zip(params, betas)])
 
     @torch.no_grad()
     def step(self, optimizer: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_npu.parallel.tensor import _part_major, _rank_major
 
@@ -52,8 +52,12 @@ def as_dtensor(value: Any, param: torch.Tensor) -> Any:
     local = getattr(param, _LOCAL, None)
     if local is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.shape != param.shape:
         return value
-    return DTensor.from_local(value, local.mesh, local.placements, run_check=False, shape=local.shape,
-                              stride=local.stride)
+    return _wrap(value, local)
+
+
+def _wrap(local_value: torch.Tensor, sharding: Sharding) -> DTensor:
+    return DTensor.from_local(local_value, sharding.mesh, sharding.placements, run_check=False, shape=sharding.shape,
+                              stride=sharding.stride)
 
 
 def share_layout(copy: torch.Tensor, param: torch.Tensor) -> None:
@@ -86,7 +90,7 @@ def localize_parameters(model: nn.Module) -> int:
 
 def _to_dtensor_params(module: nn.Module, args: Any) -> None:
     for pname, local in module._lnpu_local_params.items():
-        module._parameters[pname] = as_dtensor(local, local)  # type: ignore[assignment]
+        module._parameters[pname] = _wrap(local, getattr(local, _LOCAL))  # type: ignore[assignment]
 
 
 def _to_local_params(module: nn.Module, args: Any, output: Any) -> None:
@@ -177,11 +181,8 @@ def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return full
     if tuple(full.shape) != tuple(local.shape):
         raise ValueError(f"expected a full tensor of shape {tuple(local.shape)}, got {tuple(full.shape)}.")
-    tp, rank = local.mesh.size(), local.mesh.get_local_rank()
-    for placement in local.placements:
-        if isinstance(placement, Shard):
-            full = full.chunk(tp, placement.dim)[rank]
-    return full.contiguous()
+    # every rank holds the full tensor: slice it here (src_data_rank=None), no communication
+    return distribute_tensor(full, local.mesh, local.placements, src_data_rank=None).to_local().contiguous()
 
 
 def load_full_tensors(module: nn.Module, state: dict[str, Any]) -> None:
