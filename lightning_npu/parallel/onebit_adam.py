@@ -3,7 +3,7 @@
 Error feedback keeps the *sum* of what is sent equal to the sum of what was meant, which is enough for an update
 linear in the communicated values (SGD), not for Adam: it divides each coordinate by its own RMS, so error
 feedback's bursts inflate the variance and shrink the step (measured on the example GPT, 300 AdamW steps at dp=2:
-top-k +55%, onebit +68% over the uncompressed loss). 1-bit Adam therefore warms up dense, then freezes Adam's
+top-k +93%, onebit +250% over the uncompressed loss). 1-bit Adam therefore warms up dense, then freezes Adam's
 variance and compresses each rank's *momentum*: the update is linear in what is exchanged again.
 
 `compression.Compressor.sum` asks `momentum` for the momentum of a bucket's parameters and sends
