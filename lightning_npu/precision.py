@@ -63,6 +63,7 @@ from torch.optim import LBFGS, Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_npu import device as dev
 from lightning_npu.parallel import grad_norm as gn
 from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, unwrap_optimizer
 
@@ -269,6 +270,36 @@ class FP32FunctionMode(TorchFunctionMode):
         return out.to(in_dtype) if isinstance(out, Tensor) else out
 
 
+_MATMUL_FUNCS = {
+    F.linear, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.mm, Tensor.mm, torch.bmm, Tensor.bmm,
+    torch.addmm, torch.baddbmm, F.scaled_dot_product_attention,
+}
+
+
+class EmulatedBF16MatmulMode(TorchFunctionMode):
+    """bf16 matmuls and attention on a CPU without bf16 instructions (`dev.fast_bf16`), as fp32 kernels on the
+    bf16-rounded operands with the result rounded to bf16: what a bf16 GEMM with fp32 accumulation computes, in
+    another summation order, about 10x faster in the example GPT's step. Only where bf16 is what would run:
+    under bf16 autocast, or with every floating operand bf16 (``bf16-true``)."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _MATMUL_FUNCS:
+            return func(*args, **kwargs)
+        floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.is_floating_point()]
+        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        if (not floats or any(t.device.type != "cpu" for t in floats)
+                or not (autocast or all(t.dtype == torch.bfloat16 for t in floats))):
+            return func(*args, **kwargs)
+        args, kwargs = tree_map(_bf16_rounded, args), tree_map(_bf16_rounded, kwargs)
+        with torch.autocast("cpu", enabled=False):
+            return func(*args, **kwargs).to(torch.bfloat16)
+
+
+def _bf16_rounded(x: Any) -> Any:
+    return x.to(torch.bfloat16).float() if isinstance(x, Tensor) and x.is_floating_point() else x
+
+
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
@@ -404,8 +435,13 @@ class HybridPrecision(Precision):
 
     @contextlib.contextmanager
     def recompute_context(self) -> Generator[None, None, None]:
-        """The fp32 function interception alone (for activation-checkpoint recomputation)."""
-        with FP32FunctionMode() if (self._half_dtype is not None and self.fp32_functions) else contextlib.nullcontext():
+        """The function modes alone (for activation-checkpoint recomputation): fp32 functions, and bf16 matmuls
+        emulated where the CPU has no bf16 instructions."""
+        with contextlib.ExitStack() as stack:
+            if self._half_dtype is torch.bfloat16 and self._device_type() == "cpu" and not dev.fast_bf16("cpu"):
+                stack.enter_context(EmulatedBF16MatmulMode())
+            if self._half_dtype is not None and self.fp32_functions:
+                stack.enter_context(FP32FunctionMode())
             yield
 
     @contextlib.contextmanager

@@ -402,15 +402,19 @@ def _stage_class() -> type:
             super().__init__(*args, **kwargs)
             self._runner = runner
 
+        # the schedule runs inside the precision plugin's forward context; backward leaves autocast, as a
+        # non-pipelined backward does (its ops take the dtypes the forward saved)
         def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                                last_backward: bool = False) -> None:
-            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                       last_backward=last_backward)
+            with torch.autocast(self.device.type, enabled=False):
+                super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                           last_backward=last_backward)
             if last_backward and full_backward:
                 self._runner.stage_gradients_ready(self.submod)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            with torch.autocast(self.device.type, enabled=False):
+                super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             if last_backward:
                 self._runner.stage_gradients_ready(self.submod)
 
