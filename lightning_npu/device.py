@@ -11,8 +11,8 @@ loads an installed torch_npu through the ``torch.backends`` entry point unless
 
 from __future__ import annotations
 
-import importlib
 import functools
+import importlib
 import os
 from typing import Any
 

@@ -300,6 +300,10 @@ def _bf16_rounded(x: Any) -> Any:
     return x.to(torch.bfloat16).float() if isinstance(x, Tensor) and x.is_floating_point() else x
 
 
+# the plugin's torch function modes, which activation checkpointing's recompute re-enters (`parallel.recompute`)
+FUNCTION_MODES = (EmulatedBF16MatmulMode, FP32FunctionMode)
+
+
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------

@@ -64,13 +64,19 @@ def test_llama_config_trains_a_transformers_llama_with_tp2(tmp_path):
 def test_gpu_mfu_benchmark_runs_tiny_on_cpu(tmp_path):
     """The GPU benchmark's CPU smoke run: every arm trains the same model on the same batches."""
     from benchmarks import gpu_mfu
+    from lightning_npu.device import fast_bf16
 
     result = gpu_mfu.main(["--tiny", "--repeats", "1", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
     arms = result["arms"]
     assert set(arms) >= {"torch", "ddp", "npu_hybrid", "npu_hybrid_fuse_ops"}
     assert all("error" not in e for e in arms.values()), {k: e.get("error") for k, e in arms.items()}
+    # bf16: equal to 1e-5 where both run the same kernels; on a CPU without bf16 instructions npu_hybrid emulates
+    # the bf16 GEMMs in fp32 (another summation order: measured 2e-5 apart) while ddp and the loop do not
+    emulated = {"npu_hybrid", "npu_hybrid_no_loss_scale", "npu_hybrid_no_fp32_functions"}
+    emulated = emulated if not fast_bf16("cpu") else set()
     for name in ("torch", "npu_hybrid", "npu_hybrid_no_loss_scale", "npu_hybrid_no_fp32_functions"):
-        assert arms[name]["losses"] == pytest.approx(arms["ddp"]["losses"], rel=1e-5), name
+        rel = 1e-4 if name in emulated else 1e-5
+        assert arms[name]["losses"] == pytest.approx(arms["ddp"]["losses"], rel=rel), name
     assert arms["npu_hybrid_fuse_ops"]["losses"] == pytest.approx(arms["ddp"]["losses"], rel=1e-3)
     assert result["n_params"] > 0 and result["flops_per_token"] > 6 * result["n_matmul_params"]
     assert (tmp_path / "gpu_mfu_cpu.json").is_file()

@@ -17,6 +17,7 @@ Policies:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -83,12 +84,12 @@ def apply_activation_checkpointing(module: nn.Module, policy: Union[int, str]) -
             f"recomputed; use a value <= {len(blocks)} (1 or 'full' recomputes every block).",
             stacklevel=2,
         )
-    context_fn = _selective_contexts if policy == "selective" else None
+    context_fn = functools.partial(_contexts, selective=policy == "selective")
     for i in range(len(blocks)) if policy == "auto" else chosen:
         block = blocks[i]
         if getattr(block, "_lnpu_recompute", None) is not None:
             continue  # fit -> validate -> fit: hooks are registered once
-        checkpoint(block, context_fn=context_fn) if context_fn is not None else checkpoint(block)
+        checkpoint(block, context_fn=context_fn)
         block._lnpu_recompute = policy
     report = RecomputeReport(fqn, policy, chosen, len(blocks))
     if policy == "auto":
@@ -177,10 +178,42 @@ class AutoRecompute:
         return self.report
 
 
-def _selective_contexts() -> Any:
+def _contexts(selective: bool) -> tuple[Any, Any]:
+    """The recompute runs inside backward, outside the precision plugin's forward context: it re-enters the
+    plugin's function modes (fp32 functions, emulated bf16 matmuls) that were active when the block ran forward,
+    as torch's checkpoint restores the autocast state."""
+    modes: list[type] = []
+    forward, recompute = _note_modes(modes), _replay_modes(modes)
+    if not selective:
+        return forward, recompute
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_keep_matmuls)
+    keep_forward, keep_recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+    return _both(forward, keep_forward), _both(recompute, keep_recompute)
+
+
+@contextlib.contextmanager
+def _note_modes(modes: list[type]) -> Any:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from lightning_npu.precision import FUNCTION_MODES
+
+    modes[:] = [type(m) for m in _get_current_function_mode_stack() if type(m) in FUNCTION_MODES]
+    yield
+
+
+@contextlib.contextmanager
+def _replay_modes(modes: list[type]) -> Any:
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode())
+        yield
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Any:
+    with first, second:
+        yield
 
 
 @functools.lru_cache(maxsize=None)
