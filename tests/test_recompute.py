@@ -197,3 +197,43 @@ def test_transformers_llama_decoder_layers():
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+class _FunctionalSoftmaxGPT(torch.nn.Module):
+    """Blocks whose forward calls `F.softmax` itself: the fp32 function mode, not a module hook, must upcast it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + F.softmax(block(x), dim=-1)
+        return x
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("fast_bf16", [True, False])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_recompute_replays_the_precision_function_modes(monkeypatch, policy, fast_bf16, precision):
+    """The recompute runs in backward, outside `forward_context`: it re-enters the function modes the forward ran
+    under (fp32 softmax, and the emulated bf16 matmuls of a CPU without bf16 units), so torch's checkpoint finds the
+    same saved tensors (else: CheckpointError on their dtypes) and the gradients equal those without recompute."""
+    from lightning_npu import HybridPrecision
+    from lightning_npu import device as dev
+
+    monkeypatch.setattr(dev, "fast_bf16", lambda device_type: fast_bf16)
+    plugin = HybridPrecision(precision, device="cpu")
+    torch.manual_seed(0)
+    plain = plugin.convert_module(_FunctionalSoftmaxGPT())
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, policy)
+    x = plugin.convert_input(torch.randn(4, 16))
+    grads = []
+    for model in (plain, checkpointed):
+        with plugin.forward_context():
+            out = model(x)
+        out.float().square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
