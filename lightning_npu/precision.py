@@ -34,8 +34,8 @@ so they are not relied on):
   inside ``forward_context``: inputs are upcast to fp32 and run with autocast disabled; softmax and
   norm outputs return in the input dtype (or the ``dtype=`` the caller asked for), losses stay fp32.
   Fused attention kernels (``F.scaled_dot_product_attention``) are not intercepted: they keep their
-  softmax statistics in fp32 internally. A recomputation that runs outside ``forward_context`` (activation
-  checkpointing) should use :meth:`HybridPrecision.recompute_context` for functional calls.
+  softmax statistics in fp32 internally. Activation checkpointing recomputes inside backward, outside
+  ``forward_context``; `lightning_npu.parallel.recompute` re-enters the modes the block's forward ran under.
 
 Loss scaling and skipping: the loss is multiplied by the scale before backward; after backward the
 optimizer wrapper unscales the (fp32 master) gradients and checks them for inf/nan in one fused pass per
@@ -439,8 +439,8 @@ class HybridPrecision(Precision):
 
     @contextlib.contextmanager
     def recompute_context(self) -> Generator[None, None, None]:
-        """The function modes alone (for activation-checkpoint recomputation): fp32 functions, and bf16 matmuls
-        emulated where the CPU has no bf16 instructions."""
+        """The function modes of `forward_context` without its autocast and dtype: fp32 functions, and bf16
+        matmuls emulated where the CPU has no bf16 instructions."""
         with contextlib.ExitStack() as stack:
             if self._half_dtype is torch.bfloat16 and self._device_type() == "cpu" and not dev.fast_bf16("cpu"):
                 stack.enter_context(EmulatedBF16MatmulMode())
