@@ -17,11 +17,14 @@ import pytest
 import torch
 
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.callbacks import DynamicCheckpoint
+import lightning_npu
+from lightning_npu.callbacks import DynamicCheckpoint, TrainingGuard
 from lightning_npu.callbacks import _store
+from lightning_npu.callbacks.health import _read_rollback_checkpoint
 from lightning_npu.parallel import commit
 from lightning_npu.parallel.checkpoint import UnsafeCheckpointError, consolidate_model_state, read_meta
 from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
+from tests._faults import Payload, plant_in_shard
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "commit_faults.py"
@@ -122,6 +125,46 @@ def test_planted_pickles_are_refused_by_fit_and_convert_checkpoint(tmp_path, cap
     assert t.global_step == 6 and sorted(model.losses) == [4, 5]
     main(["convert-checkpoint", str(good), str(tmp_path / "good.safetensors")])
     assert (tmp_path / "good.safetensors").is_file()
+
+
+def test_a_pickle_in_a_shard_entry_runs_on_no_path(tmp_path, capsys):
+    """DCP's default planner unpickles a shard's non-tensor entries with weights_only=False; ours must not.
+    (The 2-process `--ckpt_path latest` path is in test_cli.py.)"""
+    from lightning_npu.cli import main
+
+    ck = tmp_path / "ck"
+    L.Trainer(callbacks=[_dyn(ck, keep_last_k=None)], strategy=NPUHybridStrategy(save_distributed_checkpoint=True),
+              **trainer_kwargs(tmp_path, 4)).fit(_Module())
+    newest = ck / "step=00000004.ckpt"
+    flag = tmp_path / "payload-ran"
+    shard, key = plant_in_shard(newest, Payload(str(flag)))
+
+    t = L.Trainer(strategy=NPUHybridStrategy(), **trainer_kwargs(tmp_path / "resume", 6))
+    with pytest.raises(UnsafeCheckpointError, match=f"Refused to load '{shard}' \\(its entry '{key}'\\).*malicious"):
+        t.fit(_Module(), ckpt_path=str(newest))
+    # the offline readers take tensors only, and a Lightning strategy's rollback reader is never reached
+    assert lightning_npu.load_checkpoint(newest)["global_step"] == 4
+    main(["convert-checkpoint", str(newest), str(tmp_path / "w.safetensors")])
+
+    class ForeignStrategy:
+        def load_checkpoint(self, *a, **k):
+            raise AssertionError("the planted directory reached a reader that unpickles it")
+
+    with pytest.raises(UnsafeCheckpointError, match=key):
+        _read_rollback_checkpoint(ForeignStrategy(), str(newest))
+    assert not flag.exists()
+
+    # TrainingGuard refuses the planted checkpoint, sets it aside and resumes from the one before
+    guard = TrainingGuard(max_restarts=1, restart_backoff=0)
+    model = _Module()
+    trainer = L.Trainer(callbacks=[_dyn(ck, keep_last_k=None), guard], strategy=NPUHybridStrategy(),
+                        **trainer_kwargs(tmp_path / "guarded", 6))
+    guard.fit(trainer, model)
+    assert trainer.global_step == 6 and sorted(model.losses) == [2, 3, 4, 5]
+    assert [e["event"] for e in guard.events][:2] == ["bad_checkpoint", "set_aside"], guard.events
+    assert "UnsafeCheckpointError" in guard.events[0]["reason"]
+    assert [p.name for p in (ck / "quarantine").glob("*/*.ckpt")] == [newest.name]
+    assert not flag.exists(), "the payload in a shard entry ran"
 
 
 # ---- markers ---------------------------------------------------------------------------------------------

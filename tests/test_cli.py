@@ -12,6 +12,7 @@ import docstring_parser
 import pytest
 
 from lightning_npu import NPUHybridStrategy, cli
+from tests._faults import Payload, plant_in_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,3 +169,10 @@ def test_ckpt_path_latest_starts_fresh_then_resumes(tmp_path):
     assert "`Trainer.fit` stopped: `max_steps=5` reached." in out
     assert (tmp_path / "checkpoints" / "step=00000005.ckpt").is_dir()
     assert "not recommended to provide both args and command line arguments" not in out
+
+    # a pickle planted in a shard's non-tensor entry is refused on both ranks, and runs on neither
+    flag = tmp_path / "payload-ran"
+    shard, key = plant_in_shard(tmp_path / "checkpoints" / "step=00000005.ckpt", Payload(str(flag)))
+    rc, out = _run(base + ["--trainer.max_steps", "7"], tmp_path)
+    assert rc != 0 and f"Refused to load '{shard}' (its entry '{key}')" in out, out[-4000:]
+    assert not flag.exists()

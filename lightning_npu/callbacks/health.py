@@ -21,6 +21,7 @@ from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._validate import check_int
 from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
+from lightning_npu.parallel.checkpoint import check_plain_data, refusing_unsafe
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ class GradientHealthGuard(Callback):
         if path is None:
             log.warning("GradientHealthGuard: no complete checkpoint to roll back to; the step is skipped instead.")
         else:
-            checkpoint = trainer.strategy.load_checkpoint(path, weights_only=True)
+            checkpoint = _read_rollback_checkpoint(trainer.strategy, path)
             trainer.strategy.load_model_state_dict(checkpoint, strict=True)
             trainer.strategy.load_optimizer_state_dict(checkpoint)
         if self.rollback_lr_factor is not None and self.rollback_lr_factor != 1.0:
@@ -389,3 +390,12 @@ class GradientHealthGuard(Callback):
         self.good_steps = int(state_dict.get("good_steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.rollbacks = int(state_dict.get("rollbacks", 0))
+
+
+def _read_rollback_checkpoint(strategy: Any, path: str) -> dict[str, Any]:
+    """Any strategy's reader, with nothing in the files able to run code: a directory's non-tensor entries are
+    checked as plain data first (Lightning's DCP readers unpickle them with ``weights_only=False``)."""
+    if Path(path).is_dir():
+        check_plain_data(path)
+    with refusing_unsafe(path):
+        return strategy.load_checkpoint(path, weights_only=True)

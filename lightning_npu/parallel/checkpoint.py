@@ -28,13 +28,16 @@ rank's write finished, through `lightning_npu.parallel.commit` (the package's on
 old copy is set aside, never deleted, before the rename). An async save is committed by rank 0 as
 soon as DCP reports the write complete, not at the next save.
 
-Trust: ``meta.pt`` is read with ``torch.load(weights_only=True)`` and DCP's pickled ``.metadata``
-through a restricted unpickler (DCP's metadata classes and plain data only), so a planted file
-is refused with an `UnsafeCheckpointError` instead of running code.
+Trust: ``meta.pt`` is read with ``torch.load(weights_only=True)``, DCP's pickled ``.metadata``
+through a restricted unpickler (DCP's metadata classes and plain data only) and every non-tensor entry of
+a shard (optimizer param groups, ...) with ``weights_only=True`` by `SafeLoadPlanner` (DCP's default
+planner uses ``weights_only=False`` there), so a planted file is refused with an `UnsafeCheckpointError`
+instead of running code. Every DCP read goes through :func:`dcp_load`.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import shutil
@@ -48,7 +51,8 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -86,6 +90,10 @@ class UnsafeCheckpointError(RuntimeError):
 
 class CheckpointMismatchError(RuntimeError):
     """The checkpoint's tensors do not fit the model/optimizer being restored; names the keys."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint file could not be read (truncated, corrupt, missing); names the file."""
 
 
 # ---- layout-independent state dicts ----------------------------------------------------------
@@ -359,12 +367,13 @@ def refusing_unsafe(file: _PathLike) -> Iterator[None]:
         raise UnsafeCheckpointError(_refusal(file, err)) from None
 
 
-def _refusal(file: _PathLike, err: BaseException) -> str:
+def _refusal(file: _PathLike, err: BaseException, entry: Optional[str] = None) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     detail = next((line for line in lines if "Unsupported global" in line or "Unsupported operand" in line),
                   lines[-1] if lines else repr(err))
+    where = f"{str(file)!r}" + (f" (its entry {entry!r})" if entry else "")
     return (
-        f"Refused to load {str(file)!r}: it needs more than plain data to load ({detail}). The file may be "
+        f"Refused to load {where}: it needs more than plain data to load ({detail}). The file may be "
         "malicious, or written by an incompatible version (of lightning-npu, Lightning or a library whose objects "
         "were saved into it). Nothing in it was executed. If you trust the file, allow the type with "
         "`torch.serialization.add_safe_globals([...])` and load again."
@@ -417,6 +426,63 @@ class SafeFileSystemReader(FileSystemReader):
 
 def checkpoint_tensor_metadata(path: _PathLike) -> dict[str, Any]:
     return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """`DefaultLoadPlanner` whose non-tensor entries are unpickled with ``weights_only=True``: torch's own
+    uses ``weights_only=False``, so a planted shard entry would run code on every rank that reads it."""
+
+    def __init__(self, reader: FileSystemReader, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._reader = reader
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            info = (getattr(self._reader, "storage_data", None) or {}).get(read_item.storage_index)
+            file = Path(self._reader.path) / info.relative_path if info is not None else Path(self._reader.path)
+            raise UnsafeCheckpointError(_refusal(file, err, entry=fqn)) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def dcp_load(state: dict[str, Any], path: _PathLike, no_dist: bool = False) -> None:
+    """The package's one DCP read (collective unless `no_dist`): restricted ``.metadata``, non-tensor entries
+    as plain data, and a failure raised as one clear error on every rank. DCP wraps each rank's failure in a
+    `CheckpointException`, a `BaseException` that ``except Exception`` does not catch."""
+    reader = SafeFileSystemReader(str(path))
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader), no_dist=no_dist)
+    except CheckpointException as err:
+        raise _load_error(err, path) from None
+
+
+def check_plain_data(path: _PathLike) -> None:
+    """Unpickle every non-tensor entry of a DCP directory as plain data, in this process: for a directory that
+    a reader other than ours (a Lightning strategy's, DCP's default planner) is about to load."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    entries = {k: None for k, v in checkpoint_tensor_metadata(path).items() if isinstance(v, BytesStorageMetadata)}
+    if entries:
+        dcp_load(entries, path, no_dist=True)
+
+
+def _load_error(err: CheckpointException, path: _PathLike) -> Exception:
+    failures = err.failures or {}
+    ranks = sorted(failures)
+    first = next(iter(failures.values()), (err, None))
+    first = first[0] if isinstance(first, tuple) else first
+    if isinstance(first, (UnsafeCheckpointError, CheckpointMismatchError, CheckpointLoadError)):
+        return type(first)(str(first))
+    return CheckpointLoadError(
+        f"Reading the checkpoint {str(path)!r} failed on rank(s) {ranks}: {type(first).__name__}: {first}. A "
+        "shard is missing, truncated or corrupt; load an earlier checkpoint (DynamicCheckpoint.find_latest skips "
+        "incomplete ones)."
+    )
 
 
 def _describe(keys: Iterable[str], limit: int = 12) -> str:
@@ -494,7 +560,7 @@ def load_sharded(
         check_optimizer_keys(stored, osd, i, path)
         tensors[f"optimizer_{i}"] = osd
     templates = {k: dict(v) for k, v in tensors.items()}
-    dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+    dcp_load(tensors, path)
     for i, optimizer in enumerate(optimizers):
         load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"], templates[f"optimizer_{i}"])
     load_model_state(module, templates[MODEL_KEY], tensors[MODEL_KEY], optimizers)
@@ -521,7 +587,7 @@ def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[di
     }
     if not template:
         raise CheckpointMismatchError(f"{str(path)!r} holds no model tensors (no '{MODEL_KEY}.*' entries).")
-    dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    dcp_load(template, path, no_dist=True)
     # fused projections (q|k|v, gate|up) saved under tp > 1 are stored rank-major: back to the model's layout
     from lightning_npu.parallel.tp_shards import unfuse_full_tensors
 
@@ -598,7 +664,7 @@ def load_sharded_relayout(
         check_optimizer_keys(stored, osd, i, path)
         templates[f"optimizer_{i}"] = osd
         tensors[f"optimizer_{i}"] = {k: full_like(f"optimizer_{i}.{k}", v) for k, v in osd.items()}
-    dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+    dcp_load(tensors, path)
     full_model = refuse_fused(unfuse_full_tensors(tensors[MODEL_KEY], saved_fused), current_fused)
     for i, optimizer in enumerate(optimizers):
         osd = tensors[f"optimizer_{i}"]

@@ -223,7 +223,6 @@ def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: d
 
 
 def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[dict[str, Any]]]) -> list[dict]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from lightning_npu.parallel import checkpoint as ckpt
@@ -238,7 +237,7 @@ def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[
         template = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()
                     if k.startswith(prefix + "state.") and isinstance(v, TensorStorageMetadata)}
         if template:
-            dcp.load(template, storage_reader=ckpt.SafeFileSystemReader(str(path)), no_dist=True)
+            ckpt.dcp_load(template, path, no_dist=True)
         state = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()}, fused, "state.")
         out.append(_indexed(opt_groups, state))
     return out
