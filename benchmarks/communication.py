@@ -123,8 +123,8 @@ def train_arm(arm: str, steps: int, devices: int, num_nodes: int, model_kwargs: 
     from examples.gpt.data import TextDataModule
     from examples.gpt.model import GPTModule
     from lightning_npu import NPUHybridStrategy
-    from lightning_npu.parallel import grad_sync
-    from lightning_npu.parallel.hierarchical import DoneWork
+    from lightning_npu.parallel.data_parallel import sync as grad_sync
+    from lightning_npu.parallel.data_parallel.hierarchical import DoneWork
     from tests._compression_workers import Wire
 
     L.seed_everything(0, verbose=False)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from benchmarks._common import environment, median, run_gpt, write_json  # noqa: E402
 from lightning_npu.launch import spawn  # noqa: E402
 from lightning_npu.memory import SavedActivations, storage_keys  # noqa: E402
-from lightning_npu.parallel.pipeline import bubble_fraction  # noqa: E402
+from lightning_npu.parallel.pipeline_parallel.runner import bubble_fraction  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, bias=False)
 GLOBAL_BATCH = 16

@@ -87,7 +87,7 @@ def _hand_tp_module():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from examples.gpt.model import GPTModule
-    from lightning_npu.parallel.tensor import Colwise
+    from lightning_npu.parallel.tensor_parallel.styles import Colwise
 
     class HandTPGPT(GPTModule):
         def configure_model(self) -> None:

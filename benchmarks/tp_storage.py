@@ -39,8 +39,8 @@ def _arm(storage: str, steps: int, warmup: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from examples.gpt.model import GPTModule
-    from lightning_npu.parallel import tensor as tp
-    from lightning_npu.parallel import tp_shards
+    from lightning_npu.parallel.tensor_parallel import plan as tp
+    from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
     torch.manual_seed(0)
     module = GPTModule(**MODEL)

@@ -54,7 +54,7 @@ def convert_checkpoint(args: list[str]) -> None:
     )
     opts = parser.parse_args(args)
     from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
-    from lightning_npu.parallel.checkpoint_format import load_checkpoint
+    from lightning_npu.parallel.checkpoint.formats import load_checkpoint
 
     src, dst = Path(opts.src), Path(opts.dst)
     try:

@@ -23,7 +23,7 @@ def export_hf(src: _PathLike, dst: _PathLike) -> Path:
     directory, saved under any layout). Returns ``dst``."""
     import torch
 
-    from lightning_npu.parallel.checkpoint_format import hf_info, load_checkpoint
+    from lightning_npu.parallel.checkpoint.formats import hf_info, load_checkpoint
 
     checkpoint = load_checkpoint(src)
     info = hf_info(checkpoint)

@@ -39,7 +39,7 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
-    from lightning_npu.parallel.optimizer import unwrap_optimizer
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 
     optimizer = unwrap_optimizer(optimizer)
     seen: set[int] = set()

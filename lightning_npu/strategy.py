@@ -18,36 +18,38 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_npu import device as dev
-from lightning_npu.parallel import checkpoint as ckpt
-from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel import checkpoint_format as ckpt_format
-from lightning_npu.parallel import reduction
-from lightning_npu.parallel.config import ParallelConfig
-from lightning_npu.parallel.data import is_fully_sharded, is_sharded_root
-from lightning_npu.parallel.full_state import (
+from lightning_npu.parallel.checkpoint import formats as ckpt_format
+from lightning_npu.parallel.checkpoint import safe_load
+from lightning_npu.parallel.checkpoint import sharded as ckpt
+from lightning_npu.parallel.checkpoint.commit import new_token
+from lightning_npu.parallel.checkpoint.full_state import (
     full_optimizer_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from lightning_npu.parallel.grad_sync import GradientSync
-from lightning_npu.parallel.hierarchical import setup_hierarchy
+from lightning_npu.parallel.config import ParallelConfig
+from lightning_npu.parallel.data_parallel import reduction
+from lightning_npu.parallel.data_parallel.hierarchical import setup_hierarchy
+from lightning_npu.parallel.data_parallel.sync import GradientSync
+from lightning_npu.parallel.data_parallel.wrap import is_fully_sharded, is_sharded_root
 from lightning_npu.parallel.mesh import build_mesh
-from lightning_npu.parallel.optimizer import (
+from lightning_npu.parallel.optim import grad_norm as gn
+from lightning_npu.parallel.optim.mixed_precision import (
     MixedPrecisionOptimizer,
     masters_as_parameters,
     unwrap_optimizer,
     wrap_lr_schedulers,
 )
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
-from lightning_npu.parallel.tp_shards import shard_optimizer_state
+from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
 
 
 class NPUHybridStrategy(DDPStrategy):
@@ -169,16 +171,16 @@ class NPUHybridStrategy(DDPStrategy):
         self._auto_recompute: Any = None  # recompute.AutoRecompute under activation_checkpointing="auto"
         # checkpoints: write DCP shards in a background thread; rank 0 commits each as soon as every rank wrote it
         self.async_save = async_save
-        # one Lightning file or a sharded directory (lightning_npu.parallel.checkpoint_format)
+        # one Lightning file or a sharded directory (lightning_npu.parallel.checkpoint.formats)
         self.save_distributed_checkpoint = save_distributed_checkpoint
-        # lightning_npu.parallel.tensor.TensorParallelPlan once the model is known (tp > 1); str() reports it
+        # lightning_npu.parallel.tensor_parallel.plan.TensorParallelPlan once the model is known (tp > 1); str() reports it
         self.tp_report: Any = None
-        # lightning_npu.parallel.pipeline.PipelinePlan / PipelineRunner once the model is known (pp > 1)
+        # lightning_npu.parallel.pipeline_parallel.plan.PipelinePlan / PipelineRunner once the model is known (pp > 1)
         self.pipeline_plan: Any = None
         self._pipeline: Any = None
-        # the layout's gradient synchronisation (lightning_npu.parallel.grad_sync), made by `parallelize`
+        # the layout's gradient synchronisation (lightning_npu.parallel.data_parallel.sync), made by `parallelize`
         self._grad_sync: GradientSync = GradientSync()
-        # dp-rank 0's buffers before each step where no DDP wrapper broadcasts them (lightning_npu.parallel.buffers)
+        # dp-rank 0's buffers before each step where no DDP wrapper broadcasts them (lightning_npu.parallel.data_parallel.buffers)
         self._buffer_sync: Any = None
         self._ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
         self._restored_from_file = False
@@ -220,7 +222,7 @@ class NPUHybridStrategy(DDPStrategy):
         # Lightning's LightningModule.device_mesh reads this attribute (also in configure_model).
         self.lightning_module._device_mesh = self._device_mesh
 
-    # ---- collectives for logging and metrics (lightning_npu.parallel.reduction) -------------------
+    # ---- collectives for logging and metrics (lightning_npu.parallel.data_parallel.reduction) -------------------
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """``self.log(..., sync_dist=True)``: a DTensor's full value, reduced over the dp ranks (tp and pp peers hold
         replicas of the same batch); an explicit `group` is honoured."""
@@ -252,7 +254,7 @@ class NPUHybridStrategy(DDPStrategy):
         # Lightning's plugins for "32-true", "bf16-mixed", "16-mixed", "bf16-true" and "16-true" become
         # HybridPrecision on the accelerator's device type (Lightning builds a CUDA-device MixedPrecision
         # for every non-CPU accelerator); any other plugin is refused with a clear error.
-        from lightning_npu.precision import as_hybrid_precision
+        from lightning_npu.precision.hybrid import as_hybrid_precision
 
         device = type(self.accelerator).name() if self.accelerator is not None else None
         self._precision_plugin = as_hybrid_precision(plugin, device)
@@ -278,7 +280,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._buffer_sync = result.buffer_sync
         return result.model
 
-    # ---- tensor parallelism (lightning_npu.parallel.tensor) ------------------------------
+    # ---- tensor parallelism (lightning_npu.parallel.tensor_parallel) ------------------------------
     def _plan_tensor_parallel(self) -> Any:
         cfg = self.parallel_config
         if cfg.tensor_parallel_size == 1 or cfg.tp_plan is None:
@@ -287,7 +289,7 @@ class NPUHybridStrategy(DDPStrategy):
             module = self.lightning_module
             if module is None or not any(True for _ in module.parameters()):
                 return None  # the model is built in configure_model: planned in _setup_model
-            from lightning_npu.parallel.tensor import plan_tensor_parallel
+            from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel
 
             self.tp_report = plan_tensor_parallel(
                 module, cfg.tensor_parallel_size, cfg.tp_plan, sequence_parallel=cfg.sequence_parallel
@@ -295,7 +297,7 @@ class NPUHybridStrategy(DDPStrategy):
         return self.tp_report
 
     def _distributed_optimizers(self) -> list[Any]:
-        from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
+        from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 
         return [o for o in (unwrap_optimizer(o) for o in self.optimizers) if isinstance(o, DistributedOptimizer)]
 
@@ -304,7 +306,7 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _loss_context(self) -> Any:
         if self._tp_active() and self.tp_report.vocab_parallel_head:
-            from lightning_npu.parallel.tensor import vocab_parallel_cross_entropy
+            from lightning_npu.parallel.tensor_parallel.plan import vocab_parallel_cross_entropy
 
             return vocab_parallel_cross_entropy()
         return nullcontext()
@@ -331,7 +333,7 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _step(self, kind: str, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """One Lightning step: dp-rank 0's buffers first where no DDP wrapper broadcasts them
-        (`lightning_npu.parallel.buffers`)."""
+        (`lightning_npu.parallel.data_parallel.buffers`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_step()
         if self._pipeline is not None:
@@ -379,7 +381,7 @@ class NPUHybridStrategy(DDPStrategy):
         """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
         the dp slices, same class and groups), sharing the precision plugin's loss scaler and given the pp group its
         gradient statistics sum over; step-interval LR schedulers skip after a skipped step."""
-        from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
+        from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 
         plugin, cfg = self.precision_plugin, self.parallel_config
         scaler, pp_group = getattr(plugin, "scaler", None), gn.pipeline_group(self.device_mesh)
@@ -401,7 +403,7 @@ class NPUHybridStrategy(DDPStrategy):
         if self._grad_sync.compressor is not None:  # frozen_variance (1-bit Adam) steps Adam through the compressor
             self._grad_sync.compressor.bind_optimizers(self.optimizers)
 
-    # ---- pipeline parallelism (lightning_npu.parallel.pipeline) ------------------------------
+    # ---- pipeline parallelism (lightning_npu.parallel.pipeline_parallel) ------------------------------
     def _plan_pipeline(self) -> Any:
         cfg = self.parallel_config
         if cfg.pipeline_parallel_size == 1:
@@ -410,7 +412,7 @@ class NPUHybridStrategy(DDPStrategy):
         if self.pipeline_plan is None or (self._pipeline is not None and self._pipeline.module is not module):
             if module is None or not any(True for _ in module.parameters()):
                 return None  # the model is built in configure_model: planned in _setup_model
-            from lightning_npu.parallel.pipeline import plan_pipeline
+            from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 
             self._pipeline = None
             self.pipeline_plan = plan_pipeline(module, cfg.pipeline_parallel_size, cfg.pipeline_schedule)
@@ -481,7 +483,7 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _masters_as_parameters(self) -> Any:
         """bf16/16-true: the fp32 master weights stand in for the 16-bit parameters, so that DCP's FQN-keyed state
-        dicts see the tensors the optimizer steps (`lightning_npu.parallel.optimizer.masters_as_parameters`)."""
+        dicts see the tensors the optimizer steps (`lightning_npu.parallel.optim.mixed_precision.masters_as_parameters`)."""
         return masters_as_parameters(self.lightning_module, self.optimizers)
 
     def _writer(self) -> ckpt.ShardedCheckpointWriter:
@@ -509,7 +511,7 @@ class NPUHybridStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         request = ckpt.commit_request(storage_options, type(self).__name__)
         path = Path(self.broadcast(str(filepath)))
-        token = self.broadcast(ckpt.new_token())
+        token = self.broadcast(new_token())
         checkpoint = self._with_compression_state(checkpoint)  # collective
         info = ckpt_format.checkpoint_metadata(self.parallel_config, self.world_size, self.lightning_module,
                                                self.optimizers, checkpoint, self.saves_single_file)  # collective
@@ -535,7 +537,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._restored_from_file = path.is_file()
         module = self.lightning_module
         if self._restored_from_file:
-            with ckpt.refusing_unsafe(path):
+            with safe_load.refusing_unsafe(path):
                 loaded = ckpt_format.restore_loader_state(super().load_checkpoint(path, weights_only=True))
             self._load_compression_state(loaded)
             return loaded
@@ -609,13 +611,13 @@ class NPUHybridStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """The training loader's sampler becomes resumable (`lightning_npu.parallel.sampler`): a mid-epoch resume
+        """The training loader's sampler becomes resumable (`lightning_npu.parallel.data_parallel.sampler`): a mid-epoch resume
         continues at the consumed global sample instead of replaying the epoch from batch 0."""
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         if module is None or module._trainer is None or not module.trainer.training:
             return dataloader  # evaluation loaders: Lightning checkpoints no position for them
-        from lightning_npu.parallel.sampler import resumable_dataloader
+        from lightning_npu.parallel.data_parallel.sampler import resumable_dataloader
 
         return resumable_dataloader(dataloader)
 

@@ -10,11 +10,10 @@ import torch
 import torch.distributed as dist
 
 import lightning_npu
-
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import grad_sync
+from lightning_npu.parallel.data_parallel import sync as grad_sync
 from tests._gpt_workers import SMALL_GPT
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",

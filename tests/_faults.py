@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from lightning_npu.parallel import commit
+from lightning_npu.parallel.checkpoint import commit
 
 
 class Payload:

@@ -30,9 +30,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import GradientHealthGuard
-from lightning_npu.parallel import data as data_parallel
-from lightning_npu.parallel.full_state import full_optimizer_state_dict
-from lightning_npu.parallel.tp_shards import tensor_parallel_parameter_names
+from lightning_npu.parallel.checkpoint.full_state import full_optimizer_state_dict
+from lightning_npu.parallel.data_parallel import wrap as data_parallel
+from lightning_npu.parallel.tensor_parallel.shards import tensor_parallel_parameter_names
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 from tests._pp_workers import PP_GPT
 from tests._tp_workers import _make_model

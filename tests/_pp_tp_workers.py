@@ -11,7 +11,7 @@ import torch
 import lightning_npu  # noqa: F401
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import data as data_parallel
+from lightning_npu.parallel.data_parallel import wrap as data_parallel
 from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._pp_workers import PP_GPT
 from tests._pp_zero_workers import _world

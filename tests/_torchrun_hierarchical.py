@@ -12,8 +12,8 @@ import lightning_npu  # noqa: F401
 from examples.gpt.data import TextDataModule
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import hierarchical
-from lightning_npu.parallel.grad_sync import reduce_bucket
+from lightning_npu.parallel.data_parallel import hierarchical
+from lightning_npu.parallel.data_parallel.sync import reduce_bucket
 from lightning_npu.parallel.mesh import build_mesh
 from tests._gpt_workers import SMALL_GPT, LossRecorder
 

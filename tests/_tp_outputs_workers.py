@@ -14,7 +14,7 @@ from torchmetrics.text import Perplexity
 
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel.logits import VocabParallelLogits
+from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 from tests._tp_workers import HFCausalLM
 

@@ -55,7 +55,7 @@ def vocab_parallel_ce_check(seed: int = 0) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_npu.parallel.tensor import vocab_parallel_cross_entropy
+    from lightning_npu.parallel.tensor_parallel.plan import vocab_parallel_cross_entropy
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))

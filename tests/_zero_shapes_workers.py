@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_npu
 from examples.gpt.model import Block, GPTConfig
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import grad_sync
-from lightning_npu.parallel.data import is_sharded_root
+from lightning_npu.parallel.data_parallel import sync as grad_sync
+from lightning_npu.parallel.data_parallel.wrap import is_sharded_root
 from tests._gpt_workers import parity_trainer
 
 STEPS, GLOBAL_BATCH = 4, 8

@@ -15,7 +15,7 @@ import torch
 
 import lightning_npu  # noqa: F401
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import data as data_parallel
+from lightning_npu.parallel.data_parallel import wrap as data_parallel
 from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._tp_workers import _make_model
 from tests._zero_workers import _world
@@ -89,7 +89,7 @@ def sp_norm_grad_check(stages: list[int], seed: int = 0) -> dict[int, dict[str, 
 def _sp_norm_grad(mesh: Any, zero_stage: int, seed: int) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_npu.parallel.tensor import _sequence_parallel_style
+    from lightning_npu.parallel.tensor_parallel.styles import _sequence_parallel_style
 
     torch.manual_seed(seed)
     b, t, c = 2, 8, 16

@@ -12,7 +12,7 @@ import lightning as L
 
 import lightning_npu  # noqa: F401
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import data as data_parallel
+from lightning_npu.parallel.data_parallel import wrap as data_parallel
 from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._tp_workers import _make_model
 from tests._zero_workers import _world

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import lightning_npu
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import checkpoint as ckpt
-from lightning_npu.parallel import data as data_parallel
+from lightning_npu.parallel.checkpoint import sharded as ckpt
+from lightning_npu.parallel.data_parallel import wrap as data_parallel
 from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 

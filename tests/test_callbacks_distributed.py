@@ -50,7 +50,7 @@ def test_callbacks_under_two_processes(tmp_path, strategy):
     assert torch.isfinite(r0["final"]).all()
     assert DynamicCheckpoint.find_latest(tmp_path / "ck") == r0["saved"]
     if Path(r0["saved"]).is_dir():  # npu_hybrid writes sharded DCP directories
-        from lightning_npu.parallel.checkpoint import consolidate_model_state
+        from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
 
         state = consolidate_model_state(r0["saved"])[0]
     else:

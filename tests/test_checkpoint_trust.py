@@ -16,13 +16,14 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_npu import NPUHybridStrategy
 import lightning_npu
-from lightning_npu.callbacks import DynamicCheckpoint, TrainingGuard
-from lightning_npu.callbacks import _store
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.callbacks import DynamicCheckpoint, TrainingGuard, _store
 from lightning_npu.callbacks.health import _read_rollback_checkpoint
-from lightning_npu.parallel import commit
-from lightning_npu.parallel.checkpoint import UnsafeCheckpointError, consolidate_model_state, read_meta
+from lightning_npu.parallel.checkpoint import commit
+from lightning_npu.parallel.checkpoint.errors import UnsafeCheckpointError
+from lightning_npu.parallel.checkpoint.safe_load import read_meta
+from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
 from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
 from tests._faults import Payload, plant_in_shard
 

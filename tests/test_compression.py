@@ -1,4 +1,4 @@
-"""Gradient compressors (`lightning_npu.parallel.compression`): bytes on the wire and error feedback, on 2 processes."""
+"""Gradient compressors (`lightning_npu.parallel.data_parallel.compression`): bytes on the wire and error feedback, on 2 processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.compression import (
+from lightning_npu.parallel.data_parallel.compression import (
     CompressionConfigError,
     CompressionSpec,
     Compressor,
@@ -235,7 +235,7 @@ def test_bad_glob_values_name_the_glob(value, match):
 # ---- 1-bit Adam (frozen_variance): the optimizer side ----------------------------------------------------------
 def test_frozen_variance_refuses_other_optimizers_and_zero1():
     from lightning_npu.parallel.config import ParallelConfig, ParallelConfigError
-    from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
+    from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 
     spec = CompressionSpec("topk", warmup_steps=10, frozen_variance=True)
     sgd = MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
@@ -253,7 +253,7 @@ def test_gradient_feedback_under_adam_warns():
     say so at setup and name 1-bit Adam; other optimizers, 1-bit Adam and int8 stay quiet."""
     import warnings
 
-    from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
+    from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 
     def wrapped(kind):
         return MixedPrecisionOptimizer(kind([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
@@ -276,7 +276,7 @@ def test_gradient_feedback_under_adam_warns():
 def test_adam_step_is_torchs_with_the_variance_frozen(kind):
     """`onebit_adam.FrozenVarianceAdam.step` steps like torch's Adam/AdamW (weight decay included); the parameters whose momentum
     was sent compressed keep their variance, bias-corrected for the warm-up's steps."""
-    from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
+    from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 
     torch.manual_seed(0)
     make = lambda: [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]  # noqa: E731

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, read_meta
+from lightning_npu.parallel.checkpoint.safe_load import checkpoint_tensor_metadata, read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce (`lightning_npu.parallel.hierarchical`): parity with the flat all-reduce on 2 nodes x 2
+"""Hierarchical all-reduce (`lightning_npu.parallel.data_parallel.hierarchical`): parity with the flat all-reduce on 2 nodes x 2
 processes (two torchrun launches on this machine), and its errors."""
 
 import json
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.parallel import hierarchical
 from lightning_npu.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_npu.parallel.data_parallel import hierarchical
 
 ROOT = Path(__file__).resolve().parents[1]
 

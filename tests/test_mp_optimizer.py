@@ -1,4 +1,4 @@
-"""MixedPrecisionOptimizer and SkippableLRScheduler (lightning_npu.parallel.optimizer), in one process."""
+"""MixedPrecisionOptimizer and SkippableLRScheduler (lightning_npu.parallel.optim.mixed_precision), in one process."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_npu  # noqa: F401  (registers npu_hybrid)
 from lightning_npu.callbacks import _stats
-from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
-from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, SkippableLRScheduler, unwrap_optimizer
-from lightning_npu.precision import DynamicLossScaler
+from lightning_npu.parallel.optim import grad_norm as gn
+from lightning_npu.parallel.optim.distributed import DistributedOptimizer
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, SkippableLRScheduler, unwrap_optimizer
+from lightning_npu.precision.loss_scaler import DynamicLossScaler
 
 
 def _bf16_linear() -> torch.nn.Linear:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.checkpoint import consolidate_model_state
+from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
 from lightning_npu.parallel.config import ParallelConfig
-from lightning_npu.parallel.tp_shards import unfuse_full_tensors
+from lightning_npu.parallel.tensor_parallel.shards import unfuse_full_tensors
 from tests._pp_tp_workers import run_many
 from tests.test_pipeline_zero import STEP3, assert_losses, assert_same, merged
 
@@ -44,7 +44,8 @@ def raw_tensor(path, name: str) -> torch.Tensor:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from lightning_npu.parallel.checkpoint import MODEL_KEY, checkpoint_tensor_metadata
+    from lightning_npu.parallel.checkpoint.safe_load import checkpoint_tensor_metadata
+    from lightning_npu.parallel.checkpoint.sharded import MODEL_KEY
 
     key = f"{MODEL_KEY}.{name}"
     md = checkpoint_tensor_metadata(path)[key]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.checkpoint import consolidate_model_state
+from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
 from lightning_npu.parallel.config import ParallelConfig
 from tests._pp_zero_workers import run_many
 

@@ -14,8 +14,8 @@ import lightning_npu  # noqa: F401
 from examples.gpt.model import GPT, CausalSoftmax, GPTConfig
 from lightning_npu import HybridPrecision
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, read_meta
-from lightning_npu.precision import DynamicLossScaler
+from lightning_npu.parallel.checkpoint.safe_load import checkpoint_tensor_metadata, read_meta
+from lightning_npu.precision.loss_scaler import DynamicLossScaler
 from tests._precision_workers import loss_curves, train, train_many
 
 # fp32 parity tolerances, as in tests/test_foundation_parity.py (see there for why atol 1e-6 on params)
@@ -278,7 +278,7 @@ def test_emulated_bf16_matmuls_compute_what_bf16_kernels_do():
     """CPUs without bf16 instructions run bf16 GEMMs as fp32 GEMMs of the bf16-rounded operands (about 10x faster
     there): the same dtypes out and the same values to bf16 rounding, forward and backward, under bf16 autocast
     and for bf16 operands; fp32 math outside autocast is left alone."""
-    from lightning_npu.precision import EmulatedBF16MatmulMode
+    from lightning_npu.precision.emulation import EmulatedBF16MatmulMode
 
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(*s, generator=g).requires_grad_() for s in [(6, 64), (32, 64), (32,), (2, 16, 64),
@@ -311,7 +311,7 @@ def test_bf16_emulation_only_where_the_cpu_lacks_bf16(monkeypatch, fast):
     from torch.overrides import _get_current_function_mode_stack
 
     from lightning_npu import device as dev
-    from lightning_npu.precision import EmulatedBF16MatmulMode
+    from lightning_npu.precision.emulation import EmulatedBF16MatmulMode
 
     monkeypatch.setattr(dev, "fast_bf16", lambda device_type: fast)
     plugin = HybridPrecision("bf16-mixed", device="cpu")

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.sampler import ResumableDataLoader, resumable_dataloader
+from lightning_npu.parallel.data_parallel.sampler import ResumableDataLoader, resumable_dataloader
 from tests._sampler_workers import STEP4, run_many
 
 RTOL, ATOL = 1e-5, 1e-6

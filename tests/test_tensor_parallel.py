@@ -24,7 +24,8 @@ def assert_same_state(a: dict, b: dict) -> None:
 def test_resume_under_tp(tmp_path):
     """tp=2 checkpoints are DCP directories of the global tensors (each tp rank wrote its shard): resuming at tp=2
     and at tp=1 both repeat steps 4-6 exactly."""
-    from lightning_npu.parallel.checkpoint import checkpoint_tensor_metadata, consolidate_model_state
+    from lightning_npu.parallel.checkpoint.safe_load import checkpoint_tensor_metadata
+    from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
 
     tp2, tp1 = Layout("tp2", 2, TP2, checks=(), clip=None), Layout("tp1", 1, {"zero_stage": 0}, checks=(), clip=None)
     full = spawn(partial(run_layout, steps=6, ckpt_dir=str(tmp_path), limit_train_batches=3), 2, tp2)

@@ -82,7 +82,8 @@ def test_auto_plan_overrides_and_their_errors():
     from examples.gpt.model import GPTModule
     from lightning_npu import NPUHybridStrategy
     from lightning_npu.parallel.config import ParallelConfigError
-    from lightning_npu.parallel.tensor import VocabParallelHead, plan_tensor_parallel
+    from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel
+    from lightning_npu.parallel.tensor_parallel.styles import VocabParallelHead
 
     model = GPTModule(n_layer=1, n_head=4, n_embd=32, block_size=16, bias=False)
     auto = plan_tensor_parallel(model, 2, "auto")

@@ -81,7 +81,7 @@ def test_zero23_with_pp_is_accepted():
 
 
 def test_zero1_refuses_non_elementwise_optimizers():
-    from lightning_npu.parallel.distributed_optimizer import DistributedOptimizer
+    from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"element-wise optimizers .* Adafactor is not one of them. Use zero_stage=0"):

@@ -93,7 +93,7 @@ def test_buffers_match_lightning_ddp(runs, name):
 
 
 def test_zero23_refuses_scalar_parameters_naming_the_fix():
-    from lightning_npu.parallel.data import check_no_scalar_parameters
+    from lightning_npu.parallel.data_parallel.wrap import check_no_scalar_parameters
 
     model = PosGPT()
     model.logit_scale = torch.nn.Parameter(torch.ones(()))  # CLIP's

@@ -1,7 +1,7 @@
 """Save through `trainer.save_checkpoint` and have it committed once, with a marker, sync or async.
 
 Saving always goes through the Trainer, so whatever the strategy writes (one file, or a sharded
-directory from every rank) is what gets committed, by `lightning_npu.parallel.commit`:
+directory from every rank) is what gets committed, by `lightning_npu.parallel.checkpoint.commit`:
 
 * a strategy that commits its own writes (``accepts_commit_request``, i.e. npu_hybrid) gets a
   `CommitRequest` with the marker as ``storage_options``; rank 0 commits as soon as every rank's
@@ -18,7 +18,7 @@ from typing import Any, Optional
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._async_io import TrackedAsyncCheckpointIO
 from lightning_npu.callbacks._dist import agree_flag, broadcast
-from lightning_npu.parallel import commit as _commit
+from lightning_npu.parallel.checkpoint import commit as _commit
 
 log = logging.getLogger(__name__)
 

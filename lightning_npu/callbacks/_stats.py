@@ -1,9 +1,9 @@
 """The guards' view of a step's statistics: the same numbers the strategy clips and logs.
 
-Under ``npu_hybrid`` the optimizer wrapper (`lightning_npu.parallel.optimizer.MixedPrecisionOptimizer`)
+Under ``npu_hybrid`` the optimizer wrapper (`lightning_npu.parallel.optim.mixed_precision.MixedPrecisionOptimizer`)
 computes the step's gradient statistics once and shares them; under any other strategy (plain DDP, FSDP, ...)
 they come from the same function,
-`lightning_npu.parallel.grad_norm.gradient_statistics`, which counts tp shards, FSDP/ZeRO slices and
+`lightning_npu.parallel.optim.grad_norm.gradient_statistics`, which counts tp shards, FSDP/ZeRO slices and
 pipeline stages once.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, unwrap_optimizer
+from lightning_npu.parallel.optim import grad_norm as gn
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, unwrap_optimizer
 
 
 def _pp_group(pl_module: Any) -> Any:

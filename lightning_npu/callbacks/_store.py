@@ -1,6 +1,6 @@
 """Complete-or-absent checkpoints for the callbacks: names, markers and discovery.
 
-The mechanics (temporary path, aside copy, rename, marker) are `lightning_npu.parallel.commit`'s, the
+The mechanics (temporary path, aside copy, rename, marker) are `lightning_npu.parallel.checkpoint.commit`'s, the
 package's one commit path; this module keeps the callbacks' names for them.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Union
 
-from lightning_npu.parallel.commit import (  # noqa: F401  (re-exported)
+from lightning_npu.parallel.checkpoint import commit as _commit
+from lightning_npu.parallel.checkpoint.commit import (  # noqa: F401  (re-exported)
     MARKER_SUFFIX,
     TMP_PREFIX,
     CheckpointCorruptedError,
@@ -26,7 +27,6 @@ from lightning_npu.parallel.commit import (  # noqa: F401  (re-exported)
     temp_path,
     verify,
 )
-from lightning_npu.parallel import commit as _commit
 
 PathLike = Union[str, Path]
 
@@ -36,5 +36,5 @@ def checkpoint_name(step: int) -> str:
 
 
 def commit(tmp: PathLike, final: PathLike, meta: dict[str, Any], checksum: bool = False) -> Path:
-    """Commit a fully written checkpoint with its marker (rank 0 only); see `lightning_npu.parallel.commit`."""
+    """Commit a fully written checkpoint with its marker (rank 0 only); see `lightning_npu.parallel.checkpoint.commit`."""
     return _commit.commit(tmp, final, new_token(), marker=meta, checksum=checksum)

@@ -3,7 +3,7 @@
 Early steps are the cheapest to lose but the likeliest to fail (bad configs, divergence), late
 steps the reverse, and large checkpoints cost minutes each; a phase-dependent interval spends the
 save time where a restart would otherwise cost the most. Saves go through `trainer.save_checkpoint`
-and are committed once, atomically, by `lightning_npu.parallel.commit` (see `_saver`), so sharded
+and are committed once, atomically, by `lightning_npu.parallel.checkpoint.commit` (see `_saver`), so sharded
 strategy checkpoints are committed the same way. Each marker carries the run's id: a new run in a
 reused directory prunes only its own checkpoints, and a resumed run adopts the id it resumes.
 """

@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
-from lightning_npu.callbacks._validate import check_int
 from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
-from lightning_npu.parallel.checkpoint import check_plain_data, refusing_unsafe
+from lightning_npu.callbacks._validate import check_int
+from lightning_npu.parallel.checkpoint.safe_load import check_plain_data, refusing_unsafe
 
 log = logging.getLogger(__name__)
 

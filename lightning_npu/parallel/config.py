@@ -240,7 +240,7 @@ class ParallelConfig:
             )
 
     def _check_compression(self) -> None:
-        from lightning_npu.parallel.compression import CompressionConfigError, parse_compression
+        from lightning_npu.parallel.data_parallel.compression import CompressionConfigError, parse_compression
 
         value = self.gradient_compression
         if isinstance(value, str) and value not in GRADIENT_COMPRESSIONS:
@@ -271,7 +271,7 @@ class ParallelConfig:
 
     def make_compressor(self) -> Any:
         """The `compression.Compressor` every dp bucket reduction goes through, or None (uncompressed)."""
-        from lightning_npu.parallel.compression import Compressor, parse_compression
+        from lightning_npu.parallel.data_parallel.compression import Compressor, parse_compression
 
         parsed = parse_compression(self.gradient_compression)
         return None if parsed is None else Compressor(parsed)

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_npu.parallel import data as data_parallel
-from lightning_npu.parallel import grad_sync as gs
-from lightning_npu.parallel.buffers import buffer_broadcast
 from lightning_npu.parallel.config import ParallelConfig
+from lightning_npu.parallel.data_parallel import sync as gs
+from lightning_npu.parallel.data_parallel import wrap as data_parallel
+from lightning_npu.parallel.data_parallel.buffers import buffer_broadcast
 
 
 @dataclass
@@ -100,8 +100,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
     ``localize`` (zero 0/1): the parameters are stored as plain local shards (`tp_shards` says why); under
     zero 2/3 they stay DTensors, which FSDP2 makes 2-D ``(dp, tp)``.
     """
-    from lightning_npu.parallel import tensor as tp
-    from lightning_npu.parallel import tp_shards
+    from lightning_npu.parallel.tensor_parallel import plan as tp
+    from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
     model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
     if plan is None or not plan.styles:
@@ -126,7 +126,7 @@ def apply_ac(model: nn.Module, policy: Any) -> Any:
 
 def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any, device: torch.device) -> Any:
     """Keep only this rank's stages of `model` (in place) and build their schedules."""
-    from lightning_npu.parallel.pipeline import PipelineRunner
+    from lightning_npu.parallel.pipeline_parallel.runner import PipelineRunner
 
     # the whole model's parameter order: a single-file optimizer state indexes the stages' parameters by it, as a
     # one-process run does (interleaved stages would otherwise come rank by rank)

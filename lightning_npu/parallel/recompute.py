@@ -67,7 +67,7 @@ def checkpointed_indices(num_blocks: int, policy: Union[int, str]) -> tuple[int,
 def block_list(module: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's blocks: the ``pipeline_layout`` declaration's, or the ``nn.ModuleList`` holding the most
     parameters (GPT's ``transformer.h``, a ``transformers`` decoder's ``layers``), as the pipeline split finds them."""
-    from lightning_npu.parallel.pipeline import declared_layout, find_blocks
+    from lightning_npu.parallel.pipeline_parallel.plan import declared_layout, find_blocks
 
     fqn = declared_layout(module).blocks or find_blocks(module)
     return fqn, module.get_submodule(fqn)
@@ -196,7 +196,7 @@ def _contexts(selective: bool) -> tuple[Any, Any]:
 def _note_modes(modes: list[type]) -> Any:
     from torch.overrides import _get_current_function_mode_stack
 
-    from lightning_npu.precision import FUNCTION_MODES
+    from lightning_npu.precision.hybrid import FUNCTION_MODES
 
     modes[:] = [type(m) for m in _get_current_function_mode_stack() if type(m) in FUNCTION_MODES]
     yield

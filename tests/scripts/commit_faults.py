@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from lightning_npu import NPUHybridStrategy  # noqa: E402
 from lightning_npu.callbacks import DynamicCheckpoint  # noqa: E402
-from lightning_npu.parallel import commit  # noqa: E402
+from lightning_npu.parallel.checkpoint import commit  # noqa: E402
 from tests._callbacks_helpers import StepSeeded, trainer_kwargs  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The mixed-precision optimizer: one wrapper prepares, checks, clips and applies every optimizer step.
 
 Modelled on Megatron-core's ``MixedPrecisionOptimizer`` (which its distributed optimizer extends, as
-`lightning_npu.parallel.distributed_optimizer.DistributedOptimizer` extends this class). The strategy wraps each
+`lightning_npu.parallel.optim.distributed.DistributedOptimizer` extends this class). The strategy wraps each
 optimizer in `setup_optimizers`; `HybridPrecision` only scales the loss and calls the parts in Lightning's order:
 
 1. :meth:`MixedPrecisionOptimizer.prepare_grads` after backward: the stepped fp32 "main" parameters get this step's
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel import tp_shards
+from lightning_npu.parallel.optim import grad_norm as gn
+from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_npu.parallel import hierarchical
+from lightning_npu.parallel.data_parallel import hierarchical
 
 
 def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
@@ -427,7 +427,7 @@ class FullyShardedGradientSync(GradientSync):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        from lightning_npu.parallel.data import set_gradient_sync
+        from lightning_npu.parallel.data_parallel.wrap import set_gradient_sync
 
         if self.module is not None:
             set_gradient_sync(self.module, False)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_npu.parallel.tp_shards import sharding_of
+from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
 try:  # DTensor is public from torch 2.5
     from torch.distributed.tensor import DTensor, Replicate

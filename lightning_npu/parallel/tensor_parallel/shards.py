@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_npu.parallel.tensor import _part_major, _rank_major
+from lightning_npu.parallel.tensor_parallel.styles import _part_major, _rank_major
 
 _LOCAL = "_lnpu_tp"  # the attribute a plain local shard carries: its Sharding
 

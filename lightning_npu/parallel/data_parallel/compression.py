@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_npu.parallel.grad_sync import all_gather_into, matrices_of
-from lightning_npu.parallel.onebit_adam import FrozenVarianceAdam
+from lightning_npu.parallel.data_parallel.sync import all_gather_into, matrices_of
+from lightning_npu.parallel.data_parallel.onebit_adam import FrozenVarianceAdam
 
 MODES = ("bf16", "int8", "topk", "onebit", "powersgd")
 CHUNK = 256  # values per int8/onebit scale

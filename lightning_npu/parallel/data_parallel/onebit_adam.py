@@ -32,7 +32,7 @@ class FrozenVarianceAdam:
     def bind(self, optimizers: list[Any]) -> None:
         """The strategy's `MixedPrecisionOptimizer` wrappers (zero_stage 0: `ParallelConfig` refuses ZeRO 1): each
         must wrap a plain Adam/AdamW; it then steps through `step`."""
-        from lightning_npu.parallel.compression import CompressionConfigError
+        from lightning_npu.parallel.data_parallel.compression import CompressionConfigError
 
         for wrapper in optimizers:
             inner = getattr(wrapper, "optimizer", None)
@@ -63,7 +63,7 @@ class FrozenVarianceAdam:
         for p in params:
             entry = self._adam.get(id(p))
             if entry is None:
-                from lightning_npu.parallel.compression import CompressionConfigError
+                from lightning_npu.parallel.data_parallel.compression import CompressionConfigError
 
                 raise CompressionConfigError(
                     "`gradient_compression` frozen_variance=True: a compressed parameter is not stepped by a bound "

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_npu.parallel.logits import VocabParallelLogits
+from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 
 __all__ = ["all_gather", "bind_metrics", "full_value", "reduce", "replica_group"]
 

@@ -11,7 +11,7 @@ A step is Megatron's distributed-optimizer step:
    accumulating micro-steps communicate nothing;
 2. the user's optimizer (its class and hyper-parameters, re-created over the slices) steps the
    fp32 master slices, which carry the reduced gradient slices; unscaling, the all-rank overflow skip,
-   clipping and the gradient statistics are those of `lightning_npu.parallel.optimizer.MixedPrecisionOptimizer`,
+   clipping and the gradient statistics are those of `lightning_npu.parallel.optim.mixed_precision.MixedPrecisionOptimizer`,
    which this class extends (one master-weight scheme: here the slices are the masters);
 3. the updated slices are all-gathered (``dist.all_gather_single``) back into the parameters,
    in their own dtype (bf16 parameters get fp32 masters for free: the slice is the master).
@@ -39,9 +39,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
-from lightning_npu.parallel.grad_sync import GradientBuckets, all_gather_into
-from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer
-from lightning_npu.parallel.tp_shards import sharding_of
+from lightning_npu.parallel.data_parallel.sync import GradientBuckets, all_gather_into
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
+from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
 
 # optimizers whose update of an element depends only on that element's gradient and state

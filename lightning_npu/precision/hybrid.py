@@ -1,7 +1,7 @@
 """`HybridPrecision`: bf16/fp16 compute with fp32 norms and softmax, and the loss scale.
 
 The optimizer side (fp32 master weights, unscaling, the all-reduced overflow skip, global clipping and the
-gradient statistics) is `lightning_npu.parallel.optimizer.MixedPrecisionOptimizer`, which the ``npu_hybrid``
+gradient statistics) is `lightning_npu.parallel.optim.mixed_precision.MixedPrecisionOptimizer`, which the ``npu_hybrid``
 strategy wraps every optimizer in; this plugin calls its parts in Lightning's order and shares the loss scaler.
 
 Precision modes (``Trainer(precision=...)``; the ``npu_hybrid`` strategy converts Lightning's own
@@ -47,259 +47,27 @@ the following step-interval LR-scheduler step (`SkippableLRScheduler`); the scal
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Generator
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_npu import device as dev
-from lightning_npu.parallel import grad_norm as gn
-from lightning_npu.parallel.optimizer import MixedPrecisionOptimizer, unwrap_optimizer
+from lightning_npu.parallel.optim import grad_norm as gn
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, unwrap_optimizer
+from lightning_npu.precision.emulation import EmulatedBF16MatmulMode
+from lightning_npu.precision.fp32 import FP32FunctionMode, install_fp32_islands
+from lightning_npu.precision.loss_scaler import DynamicLossScaler
 
 PrecisionName = Literal["bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true"]
 _SUPPORTED: tuple[str, ...] = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
-_HALF = (torch.bfloat16, torch.float16)
-
-
-# ---------------------------------------------------------------------------------------------
-# loss scaler
-# ---------------------------------------------------------------------------------------------
-class DynamicLossScaler:
-    """Megatron/DeepSpeed-style dynamic loss scale.
-
-    * after ``growth_interval`` consecutive overflow-free steps: ``scale *= growth_factor`` and the
-      hysteresis budget is refilled;
-    * on an overflow: the step is skipped, the growth counter restarts and the hysteresis budget
-      drops by one; once it is exhausted (the ``hysteresis``-th overflow since the last growth, and
-      every overflow after it) ``scale = max(scale * backoff_factor, min_scale)``.
-
-    ``dynamic=False`` keeps the scale constant (overflowing steps are still skipped).
-    """
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**10,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1.0,
-        dynamic: bool = True,
-    ) -> None:
-        checks = [
-            ("init_scale", init_scale, init_scale > 0 and math.isfinite(init_scale), "a finite number > 0"),
-            ("growth_factor", growth_factor, growth_factor >= 1, "a number >= 1, e.g. 2.0"),
-            ("backoff_factor", backoff_factor, 0 < backoff_factor <= 1, "a number in (0, 1], e.g. 0.5"),
-            ("growth_interval", growth_interval, isinstance(growth_interval, int) and growth_interval >= 1,
-             "an int >= 1, e.g. 1000"),
-            ("hysteresis", hysteresis, isinstance(hysteresis, int) and hysteresis >= 1, "an int >= 1, e.g. 2"),
-            ("min_scale", min_scale, 0 < min_scale <= init_scale, f"a number in (0, init_scale={init_scale}]"),
-        ]
-        for name, value, ok, fix in checks:
-            if not ok:
-                raise ValueError(f"HybridPrecision/DynamicLossScaler: `{name}={value!r}` is invalid; pass {fix}.")
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self.min_scale = float(min_scale)
-        self.dynamic = dynamic
-        self.scale = float(init_scale)
-        self._growth_tracker = 0
-        self._hysteresis_tracker = hysteresis
-
-    def update(self, found_inf: bool) -> None:
-        if not self.dynamic:
-            return
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self.scale = self.scale * self.growth_factor
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self._growth_tracker = int(state["growth_tracker"])
-        self._hysteresis_tracker = int(state["hysteresis_tracker"])
-
-
-# ---------------------------------------------------------------------------------------------
-# fp32 islands: norm and softmax modules
-# ---------------------------------------------------------------------------------------------
-_NORM_TYPES: tuple[type, ...] = tuple(
-    t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None), nn.GroupNorm) if t is not None
-)
-_NORM_SUFFIXES = ("LayerNorm", "RMSNorm", "RmsNorm")
-_SOFTMAX_TYPES: tuple[type, ...] = (nn.Softmax, nn.LogSoftmax)
-_SOFTMAX_SUFFIXES = ("Softmax",)
-
-
-def _class_names(module: nn.Module) -> list[str]:
-    return [c.__name__ for c in type(module).__mro__]
-
-
-def is_fp32_norm(module: nn.Module) -> bool:
-    return isinstance(module, _NORM_TYPES) or any(n.endswith(_NORM_SUFFIXES) for n in _class_names(module))
-
-
-def is_fp32_softmax(module: nn.Module) -> bool:
-    return isinstance(module, _SOFTMAX_TYPES) or any(
-        n.endswith(_SOFTMAX_SUFFIXES) and n != "Module" for n in _class_names(module)
-    )
-
-
-def _upcast(x: Any) -> Any:
-    return x.float() if isinstance(x, Tensor) and x.dtype in _HALF else x
-
-
-def _first_float_tensor(tree: Any) -> Optional[Tensor]:
-    found: list[Tensor] = []
-
-    def visit(x: Any) -> Any:
-        if not found and isinstance(x, Tensor) and x.is_floating_point():
-            found.append(x)
-        return x
-
-    tree_map(visit, tree)
-    return found[0] if found else None
-
-
-def _island_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    x = _first_float_tensor((args, kwargs))
-    stack = module.__dict__.setdefault("_lnpu_fp32_stack", [])
-    if x is None:
-        stack.append((None, None))
-        return args, kwargs
-    ctx = contextlib.ExitStack()
-    ctx.enter_context(torch.autocast(x.device.type, enabled=False))
-    ctx.enter_context(FP32FunctionMode())  # 16-bit weights (bf16-true) join the fp32 math too
-    stack.append((ctx, x.dtype))
-    return tree_map(_upcast, args), tree_map(_upcast, kwargs)
-
-
-def _island_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    stack = module.__dict__.get("_lnpu_fp32_stack")
-    if not stack:
-        return output
-    ctx, dtype = stack.pop()
-    if ctx is not None:
-        ctx.close()
-    if dtype in _HALF:
-        return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.dtype == torch.float32 else t, output)
-    return output
-
-
-def install_fp32_islands(module: nn.Module) -> list[str]:
-    """Make every norm and softmax submodule of `module` compute in fp32 (idempotent).
-
-    Returns the qualified names of the modules that got the hooks.
-    """
-    names = []
-    for name, m in module.named_modules():
-        if not (is_fp32_norm(m) or is_fp32_softmax(m)):
-            continue
-        names.append(name)
-        if m.__dict__.get("_lnpu_fp32_island"):
-            continue
-        m.register_forward_pre_hook(_island_pre_hook, with_kwargs=True)
-        m.register_forward_hook(_island_post_hook, with_kwargs=True, always_call=True)
-        m.__dict__["_lnpu_fp32_island"] = True
-    return names
-
-
-# ---------------------------------------------------------------------------------------------
-# fp32 islands: functional calls
-# ---------------------------------------------------------------------------------------------
-_SOFTMAX_FUNCS = {
-    torch.softmax, F.softmax, Tensor.softmax, torch.log_softmax, F.log_softmax, Tensor.log_softmax,
-}
-_NORM_FUNCS = {F.layer_norm, F.group_norm, torch.layer_norm, torch.group_norm}
-if hasattr(F, "rms_norm"):
-    _NORM_FUNCS |= {F.rms_norm}
-_LOSS_FUNCS = {F.cross_entropy, F.nll_loss}
-
-
-class FP32FunctionMode(TorchFunctionMode):
-    """Runs softmax, norm and loss functions in fp32 with autocast off (see the module docstring)."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        is_softmax = func in _SOFTMAX_FUNCS
-        if not (is_softmax or func in _NORM_FUNCS or func in _LOSS_FUNCS):
-            return func(*args, **kwargs)
-        x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, Tensor):
-            return func(*args, **kwargs)
-        # softmax: a 16-bit input; norms and losses: any 16-bit tensor argument (input, weight, bias)
-        half_args = [t for t in (args, kwargs) for t in tree_flatten(t)[0] if isinstance(t, Tensor) and t.dtype in _HALF]
-        if not half_args or (is_softmax and x.dtype not in _HALF):
-            return func(*args, **kwargs)
-        in_dtype = x.dtype
-        args, kwargs = tree_map(_upcast, args), tree_map(_upcast, kwargs)
-        with torch.autocast(x.device.type, enabled=False):
-            out = func(*args, **kwargs)
-        if func in _LOSS_FUNCS:
-            return out
-        explicit_dtype = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
-        if is_softmax and explicit_dtype:
-            return out
-        return out.to(in_dtype) if isinstance(out, Tensor) else out
-
-
-_MATMUL_FUNCS = {
-    F.linear, torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.mm, Tensor.mm, torch.bmm, Tensor.bmm,
-    torch.addmm, torch.baddbmm, F.scaled_dot_product_attention,
-}
-
-
-class EmulatedBF16MatmulMode(TorchFunctionMode):
-    """bf16 matmuls and attention on a CPU without bf16 instructions (`dev.fast_bf16`), as fp32 kernels on the
-    bf16-rounded operands with the result rounded to bf16: what a bf16 GEMM with fp32 accumulation computes, in
-    another summation order, about 10x faster in the example GPT's step. Only where bf16 is what would run:
-    under bf16 autocast, or with every floating operand bf16 (``bf16-true``)."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if func not in _MATMUL_FUNCS:
-            return func(*args, **kwargs)
-        floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.is_floating_point()]
-        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        if (not floats or any(t.device.type != "cpu" for t in floats)
-                or not (autocast or all(t.dtype == torch.bfloat16 for t in floats))):
-            return func(*args, **kwargs)
-        args, kwargs = tree_map(_bf16_rounded, args), tree_map(_bf16_rounded, kwargs)
-        with torch.autocast("cpu", enabled=False):
-            return func(*args, **kwargs).to(torch.bfloat16)
-
-
-def _bf16_rounded(x: Any) -> Any:
-    return x.to(torch.bfloat16).float() if isinstance(x, Tensor) and x.is_floating_point() else x
-
-
 # the plugin's torch function modes, which activation checkpointing's recompute re-enters (`parallel.recompute`)
 FUNCTION_MODES = (EmulatedBF16MatmulMode, FP32FunctionMode)
 
@@ -553,7 +321,7 @@ def _mixed_precision_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
     opt = unwrap_optimizer(optimizer)
     if not isinstance(opt, MixedPrecisionOptimizer):
         raise TypeError(
-            f"HybridPrecision steps optimizers through lightning_npu.parallel.optimizer.MixedPrecisionOptimizer, "
+            f"HybridPrecision steps optimizers through lightning_npu.parallel.optim.mixed_precision.MixedPrecisionOptimizer, "
             f"which the npu_hybrid strategy installs; got {type(opt).__name__}. Use Trainer(strategy='npu_hybrid')."
         )
     return opt

@@ -6,7 +6,7 @@ Two forms, chosen by the strategy's ``save_distributed_checkpoint`` (Lightning's
 * one Lightning ``.ckpt`` file (full tensors in the model's original layout, torch's optimizer format):
   what `LightningModule.load_from_checkpoint`, ``torch.load`` and Lightning's ``"ddp"`` read. Every rank
   gathers the full state (collectives), rank 0 writes it, then commits it through
-  `lightning_npu.parallel.commit` (temporary file, old copy set aside, rename, marker) like a directory;
+  `lightning_npu.parallel.checkpoint.commit` (temporary file, old copy set aside, rename, marker) like a directory;
 * a sharded DCP directory (`lightning_npu.parallel.checkpoint`): every rank writes only its shards, so it
   scales to models no rank can hold whole, and it reshards to any layout on load.
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_npu.parallel import commit as _commit
+from lightning_npu.parallel.checkpoint import commit as _commit
 
 _PathLike = Union[str, Path]
 
@@ -45,8 +45,8 @@ def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
 def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> dict[str, torch.Tensor]:
     """`lightning_npu.full_state_dict`, with ZeRO-1's fp32 master slices gathered in place of 16-bit parameters
     (the exact weights, as the sharded form stores them). A collective."""
-    from lightning_npu.parallel.full_state import full_state_dict
-    from lightning_npu.parallel.tp_shards import full_tensors
+    from lightning_npu.parallel.checkpoint.full_state import full_state_dict
+    from lightning_npu.parallel.tensor_parallel.shards import full_tensors
 
     state = full_state_dict(module)
     for opt in distributed_optimizers:
@@ -84,8 +84,8 @@ def checkpoint_metadata(cfg: Any, world_size: int, module: nn.Module, optimizers
     (for ``--to hf``), and the optimizers' groups by FQN, from which :func:`load_checkpoint` rebuilds torch's
     optimizer format offline (directories) and a resume picks each parameter's state (files). A collective
     under pp."""
-    from lightning_npu.parallel.checkpoint import layout_metadata
-    from lightning_npu.parallel.full_state import optimizer_groups
+    from lightning_npu.parallel.checkpoint.full_state import optimizer_groups
+    from lightning_npu.parallel.checkpoint.sharded import layout_metadata
 
     info = layout_metadata(cfg, world_size, module)
     info["hf"] = hf_metadata(module)
@@ -105,7 +105,7 @@ def _is_resumable_loader_state(state: Any) -> bool:
 
 
 def set_loader_state_aside(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Move the position of npu_hybrid's resumable train loader (`lightning_npu.parallel.sampler`) from Lightning's
+    """Move the position of npu_hybrid's resumable train loader (`lightning_npu.parallel.data_parallel.sampler`) from Lightning's
     loop state to ``checkpoint["lightning_npu"]["combined_loader"]``: under "ddp" Lightning's plain loader is not
     stateful and would refuse a stored position ("0 stateful loaders, but found 1 states"); it restarts the epoch
     instead, as for any checkpoint of a non-stateful loader. npu_hybrid puts it back (:func:`restore_loader_state`)."""
@@ -152,7 +152,7 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
               agree: Callable[[Optional[str]], Optional[str]], request: Optional[_commit.CommitRequest] = None) -> None:
     """Collective. Rank 0 writes `checkpoint` (full tensors) to a temporary sibling and commits it as `final`;
     `agree(message)` broadcasts rank 0's error message, so every rank raises (or not) together."""
-    from lightning_npu.parallel.checkpoint import CheckpointSaveError
+    from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
 
     final = Path(final)
     request = request if request is not None else _commit.CommitRequest()
@@ -191,17 +191,18 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
     with ``weights_only=True``. Use it where Lightning's own loader meets a directory, e.g.
     ``model.load_state_dict(lightning_npu.load_checkpoint(path)["state_dict"])``.
     """
-    from lightning_npu.parallel import checkpoint as ckpt
+    from lightning_npu.parallel.checkpoint import safe_load as ckpt
+    from lightning_npu.parallel.checkpoint import sharded
 
-    path = ckpt.resolve_checkpoint_path(path)
+    path = sharded.resolve_checkpoint_path(path)
     if path.is_file():
         return ckpt.safe_torch_load(path)
-    if not ckpt.is_sharded_checkpoint(path):
+    if not sharded.is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f"{str(path)!r} is neither a checkpoint file nor a lightning-npu sharded checkpoint directory (no "
             f"{ckpt.META_FILENAME} in it); pass the path ModelCheckpoint or DynamicCheckpoint reported."
         )
-    state, meta = ckpt.consolidate_model_state(path)
+    state, meta = sharded.consolidate_model_state(path)
     out = {**meta, "state_dict": state}
     groups = (meta.get("lightning_npu") or {}).get("optimizer_groups")
     if groups:
@@ -212,7 +213,7 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
 def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A single file's whole-model optimizer states, each re-indexed to the parameters its optimizer holds here
     (e.g. one pipeline stage's), where the file records their FQNs; as it is otherwise (plain Lightning files)."""
-    from lightning_npu.parallel.full_state import select_optimizer_state
+    from lightning_npu.parallel.checkpoint.full_state import select_optimizer_state
 
     groups = (checkpoint.get("lightning_npu") or {}).get("optimizer_groups")
     if not groups or "optimizer_states" not in checkpoint:
@@ -225,9 +226,9 @@ def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: d
 def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[dict[str, Any]]]) -> list[dict]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_npu.parallel import checkpoint as ckpt
-    from lightning_npu.parallel.full_state import _indexed
-    from lightning_npu.parallel.tp_shards import unfuse_full_tensors
+    from lightning_npu.parallel.checkpoint import safe_load as ckpt
+    from lightning_npu.parallel.checkpoint.full_state import _indexed
+    from lightning_npu.parallel.tensor_parallel.shards import unfuse_full_tensors
 
     stored = ckpt.checkpoint_tensor_metadata(path)
     fused = (meta.get("lightning_npu") or {}).get("fused") or {}

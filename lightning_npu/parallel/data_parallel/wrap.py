@@ -2,7 +2,7 @@
 
 ZeRO 0 keeps parameters, gradients and optimizer state replicated and rides on PyTorch's
 DistributedDataParallel (bucketed all-reduce overlapped with backward) restricted to the dp
-process group. ZeRO 1 is `lightning_npu.parallel.distributed_optimizer.DistributedOptimizer`:
+process group. ZeRO 1 is `lightning_npu.parallel.optim.distributed.DistributedOptimizer`:
 Megatron's distributed-optimizer step (reduce-scatter gradients, step the local slice, all-gather
 parameters) with no DDP wrapper; the model is only synchronised from dp-rank 0 at setup.
 
@@ -107,7 +107,7 @@ def fully_shard_data_parallel(
 
 def route_reduce_scatter(module: torch.nn.Module) -> None:
     """Every FSDP2 unit under `module` reduce-scatters its gradient bucket through `grad_sync.reduce_bucket`."""
-    from lightning_npu.parallel.grad_sync import fsdp_reduce_scatter
+    from lightning_npu.parallel.data_parallel.sync import fsdp_reduce_scatter
 
     comm = fsdp_reduce_scatter()
     for unit in fsdp_modules(module):
@@ -148,7 +148,7 @@ def check_no_scalar_parameters(module: torch.nn.Module, zero_stage: int) -> None
         )
 
 
-# ---- ZeRO 2/3 under pipeline parallelism (used by lightning_npu.parallel.pipeline) -------------------
+# ---- ZeRO 2/3 under pipeline parallelism (used by lightning_npu.parallel.pipeline_parallel) -------------------
 def fully_shard_sequence_parallel_norms(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
     """Under 16-bit gathering, sequence-parallel norms become their own FSDP2 units gathered in fp32.
 
@@ -159,7 +159,7 @@ def fully_shard_sequence_parallel_norms(module: torch.nn.Module, dp_mesh: Device
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    from lightning_npu.parallel.tensor import tp_replicated_modules
+    from lightning_npu.parallel.tensor_parallel.plan import tp_replicated_modules
 
     norms = [m for m in tp_replicated_modules(module) if not isinstance(m, FSDPModule)]
     for norm in norms:
@@ -292,7 +292,7 @@ def gradient_bytes(module: torch.nn.Module) -> int:
 
 def sharded_optimizer_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its ZeRO shard, or everything when unsharded)."""
-    from lightning_npu.parallel.optimizer import unwrap_optimizer
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
     total = 0

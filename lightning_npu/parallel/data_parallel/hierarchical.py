@@ -50,7 +50,7 @@ class HierarchicalAllReduce:
 
     def all_reduce(self, flat: torch.Tensor) -> Any:
         """SUM `flat` in place over the dp group in three stages; returns a work to wait on (see module doc)."""
-        from lightning_npu.parallel.grad_sync import _reduce_scatter, all_gather_into
+        from lightning_npu.parallel.data_parallel.sync import _reduce_scatter, all_gather_into
 
         self.launched += 1
         if self.local == 1:  # one dp rank per node: only the inter-node stage is left

@@ -1,0 +1,1 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: the stage split and the runner."""

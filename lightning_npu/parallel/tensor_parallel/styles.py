@@ -1,0 +1,256 @@
+"""Tensor-parallel styles (DTensor `ParallelStyle`s): column/row splits of linear and Conv1D layers, fused
+projections, the vocab-parallel head, sequence-parallel boundaries; and the module names they apply to."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
+
+# ---- module-name conventions the automatic plan recognises ---------------------------------
+COLWISE_NAMES = {
+    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc1", "w1", "w3", "wq", "wk", "wv",
+    "query", "key", "value", "fc_in",
+}
+FUSED_NAMES = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "qkv": 3, "gate_up_proj": 2}
+ROWWISE_NAMES = {"o_proj", "out_proj", "down_proj", "c_proj", "fc2", "w2", "wo", "fc_out", "dense_4h_to_h"}
+VOCAB_EMBEDDING_NAMES = {"wte", "embed_tokens", "word_embeddings", "tok_embeddings"}
+POSITION_EMBEDDING_NAMES = {"wpe", "position_embeddings", "embed_positions"}
+HEAD_NAMES = {"lm_head", "output"}
+HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
+KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
+Q_NAMES = {"q_proj", "wq", "query", "c_attn", "qkv_proj", "Wqkv", "qkv"}
+KV_NAMES = {"k_proj", "v_proj", "wk", "wv", "key", "value"}
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer whose weight is stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def _rank_major(t: torch.Tensor, dim: int, fused: int, tp: int) -> torch.Tensor:
+    """Reorder ``[part0 | part1 | ...]`` along `dim` so that contiguous tp-chunks hold ``[p0_r | p1_r | ...]``."""
+    if fused == 1:
+        return t
+    parts = [p.chunk(tp, dim) for p in t.chunk(fused, dim)]
+    return torch.cat([parts[j][r] for r in range(tp) for j in range(fused)], dim)
+
+
+def _part_major(t: torch.Tensor, dim: int, fused: int, tp: int) -> torch.Tensor:
+    """Inverse of :func:`_rank_major`."""
+    if fused == 1:
+        return t
+    pieces = t.chunk(tp * fused, dim)  # ordered (rank, part)
+    return torch.cat([pieces[r * fused + j] for j in range(fused) for r in range(tp)], dim)
+
+
+# ---- styles ----------------------------------------------------------------------------------
+class Colwise(ColwiseParallel):
+    """DTensor's ColwiseParallel, extended to transformers' ``Conv1D`` and to fused projections.
+
+    ``fused=3`` (q|k|v) or ``2`` (gate|up) shards every part by columns and keeps each rank's parts
+    together (see the module docstring); the parameter DTensor is ``Shard(out_dim)`` of the
+    rank-major reordered weight, which `tp_shards.full_tensors` maps back to the original layout.
+    """
+
+    def __init__(self, *, fused: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        out_dim = 1 if _is_conv1d(module) else 0
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = out_dim if param.dim() == 2 else 0
+            full = _rank_major(param.data, dim, self.fused, device_mesh.size())
+            dist = nn.Parameter(
+                distribute_tensor(full, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            dist._lnpu_fused = (dim, self.fused)  # type: ignore[attr-defined]
+            module.register_parameter(pname, dist)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Embedding) and self.fused == 1:
+            return super()._apply(module, device_mesh)
+        if not _is_linear(module):
+            raise ParallelConfigError(
+                f"column-wise sharding needs an nn.Linear, transformers Conv1D or nn.Embedding, got "
+                f"{type(module).__name__}; pass a DTensor ParallelStyle object for it in `tp_plan`."
+            )
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + (f", fused={self.fused})" if self.fused != 1 else ")")
+
+
+class Rowwise(RowwiseParallel):
+    """DTensor's RowwiseParallel, extended to transformers' ``Conv1D`` (weight ``[in, out]``: Shard(0))."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        module.register_parameter(
+            "weight",
+            nn.Parameter(
+                distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=module.weight.requires_grad,
+            ),
+        )
+        if getattr(module, "bias", None) is not None:
+            module.register_parameter(
+                "bias",
+                nn.Parameter(
+                    distribute_tensor(module.bias, device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                    requires_grad=module.bias.requires_grad,
+                ),
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not _is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class VocabParallelHead(Colwise):
+    """An LM head split along the vocabulary whose output is :class:`~lightning_npu.parallel.tensor_parallel.logits.VocabParallelLogits`:
+    vocab-sharded for the vocab-parallel cross-entropy, and the full logits for any other use (torchmetrics,
+    ``argmax``, ``generate``), gathered once on demand. A raw DTensor output broke such code."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"output_layouts": Shard(-1), "use_local_output": False, **kwargs})
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        outputs = Colwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return VocabParallelLogits(outputs) if isinstance(outputs, DTensor) else outputs
+
+
+class _Replicate(ParallelStyle):
+    """Leave the module replicated on every tp rank (norms, position embeddings)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+def _seq_gather(t: torch.Tensor, mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, mesh, [Shard(seq_dim)], run_check=False)
+    return t.redistribute(mesh, [Replicate()]).to_local()
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism: all-gather the sequence-sharded hidden states entering a block (attention or MLP).
+
+    Placed on the block rather than on its first projection, so a block that reads its input's shape
+    (``b, t, _ = x.shape``) sees the whole sequence. The block's last projection (row-parallel with
+    ``output_layouts=Shard(1)``) reduce-scatters back to sequence shards.
+    """
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args and isinstance(args[0], torch.Tensor):
+                args = (_seq_gather(args[0], device_mesh, self.seq_dim), *args[1:])
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                kwargs = {**kwargs, "hidden_states": _seq_gather(kwargs["hidden_states"], device_mesh, self.seq_dim)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
+class ShardSequenceOutput(ParallelStyle):
+    """Sequence parallelism for a replicated module (position embedding): keep this rank's sequence slice
+    of its output (dim ``-2`` of ``[..., seq, hidden]``); no communication forward, all-gather backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            dt = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return dt.redistribute(device_mesh, [Shard(output.dim() - 2)]).to_local()
+
+        module.register_forward_hook(shard)
+        return module
+
+
+def _sequence_parallel_style(name: str, module: nn.Module) -> ParallelStyle:
+    """The `name` style with activations sequence-sharded (dim 1) between blocks."""
+    if name == "vocab" and isinstance(module, nn.Embedding):
+        return Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))
+    if name == "vocab":
+        return VocabParallelHead(input_layouts=Shard(1))
+    if name == "rowwise":
+        return Rowwise(output_layouts=Shard(1))
+    if name == "position":
+        return ShardSequenceOutput()
+    if name == "norm":
+        return SequenceParallel(use_local_output=True)
+    if name == "gather_seq":
+        return GatherSequence()
+    return style_from_name(name, module)
+
+
+def style_from_name(name: str, module: nn.Module) -> ParallelStyle:
+    """The ParallelStyle a ``tp_plan`` style name means for `module`.
+
+    colwise: column-parallel (output sharded); rowwise: row-parallel (input sharded, output all-reduced;
+    on an Embedding: vocabulary split); vocab: embedding split along the vocabulary, or for a Linear an
+    LM head whose logits stay vocab-sharded for the vocab-parallel cross-entropy; colwise_rep: column-parallel
+    with the output gathered; qkv / gate_up: fused column-parallel keeping each rank's parts together;
+    sequence: norm/dropout on sequence shards; replicate: not sharded.
+    """
+    if name == "colwise":
+        return Colwise()
+    if name == "qkv":
+        return Colwise(fused=3)
+    if name == "gate_up":
+        return Colwise(fused=2)
+    if name == "rowwise":
+        return Rowwise(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else Rowwise()
+    if name == "vocab":
+        if isinstance(module, nn.Embedding):
+            return Rowwise(input_layouts=Replicate())
+        return VocabParallelHead()
+    if name == "colwise_rep":
+        return Colwise(output_layouts=Replicate())
+    if name == "sequence":
+        return SequenceParallel()
+    if name == "replicate":
+        return _Replicate()
+    raise ParallelConfigError(f"unknown tensor-parallel style {name!r}.")
