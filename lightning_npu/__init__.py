@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_npu.accelerator import NPUAccelerator
 from lightning_npu.parallel.checkpoint.formats import load_checkpoint
 from lightning_npu.parallel.checkpoint.full_state import full_state_dict, load_full_state_dict
-from lightning_npu.parallel.config import NotImplementedYetError, ParallelConfigError
+from lightning_npu.parallel.errors import NotImplementedYetError, ParallelConfigError
 from lightning_npu.parallel.optim.grad_norm import grad_norm
 from lightning_npu.precision.hybrid import HybridPrecision
 from lightning_npu.strategy import NPUHybridStrategy

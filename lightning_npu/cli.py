@@ -20,7 +20,11 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
+from lightning_npu.callbacks import DynamicCheckpoint
+from lightning_npu.callbacks._store import list_complete
 from lightning_npu.doctor import command as doctor_command
+from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
+from lightning_npu.parallel.checkpoint.formats import load_checkpoint
 from lightning_npu.planner.cli import command as plan_command
 
 PROG = "lightning-npu"
@@ -53,9 +57,6 @@ def convert_checkpoint(args: list[str]) -> None:
         "(GPTModule.model) loads the file with nn.Module.load_state_dict",
     )
     opts = parser.parse_args(args)
-    from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
-    from lightning_npu.parallel.checkpoint.formats import load_checkpoint
-
     src, dst = Path(opts.src), Path(opts.dst)
     try:
         if opts.to == "hf":
@@ -166,9 +167,6 @@ def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
     """
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_npu.callbacks import DynamicCheckpoint
-    from lightning_npu.callbacks._store import list_complete
-
     candidates: dict[str, float] = {}
     searched: list[Path] = []
     dynamic_dirs = set()
@@ -239,8 +237,6 @@ class NPUCLI(LightningCLI):
         if not self.trainer.is_global_zero or self.trainer.interrupted:
             return
         from lightning.pytorch.callbacks import ModelCheckpoint
-
-        from lightning_npu.callbacks import DynamicCheckpoint
 
         lines = []
         for cb in self.trainer.callbacks:

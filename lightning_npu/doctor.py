@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from lightning_npu import device
+from lightning_npu.ops import extension
+
 PROG = "lightning-npu doctor"
 HOT_C = 85  # warn at this device temperature (the seed's threshold)
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
@@ -290,8 +293,6 @@ def _cuda_tools(env: Mapping[str, str], facts: dict[str, Any]) -> list[Check]:
 def _torch_devices(facts: dict[str, Any]) -> list[Check]:
     import torch
 
-    from lightning_npu import device
-
     try:
         kind = device.accelerator_type()
     except Exception as err:  # a broken torch_npu install
@@ -335,8 +336,6 @@ def _backend(facts: dict[str, Any]) -> Check:
 
     import torch
     import torch.distributed as dist
-
-    from lightning_npu import device
 
     kind = facts.get("accelerator", device.CPU)
     try:
@@ -390,8 +389,6 @@ def _fused_ops(env: Mapping[str, str]) -> list[Check]:
                  "" if found else "install g++ (e.g. apt-get install g++) for the fused CPU kernels; "
                  "without it fuse_ops=True uses eager fallbacks")]
     import warnings
-
-    from lightning_npu.ops import extension
 
     try:
         with warnings.catch_warnings():

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
+from lightning_npu.parallel.checkpoint.formats import hf_info, load_checkpoint
+
 _PathLike = Union[str, Path]
 
 
@@ -22,8 +24,6 @@ def export_hf(src: _PathLike, dst: _PathLike) -> Path:
     """Write ``dst`` (a folder) with ``save_pretrained`` from the checkpoint ``src`` (a file or a sharded
     directory, saved under any layout). Returns ``dst``."""
     import torch
-
-    from lightning_npu.parallel.checkpoint.formats import hf_info, load_checkpoint
 
     checkpoint = load_checkpoint(src)
     info = hf_info(checkpoint)

@@ -13,6 +13,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -39,8 +41,6 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
-    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
-
     optimizer = unwrap_optimizer(optimizer)
     seen: set[int] = set()
     for opt in (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "inner", None)):

@@ -38,10 +38,12 @@ from lightning_npu.parallel.checkpoint.full_state import (
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.data_parallel import reduction
 from lightning_npu.parallel.data_parallel.hierarchical import setup_hierarchy
+from lightning_npu.parallel.data_parallel.sampler import resumable_dataloader
 from lightning_npu.parallel.data_parallel.sync import GradientSync
 from lightning_npu.parallel.data_parallel.wrap import is_fully_sharded, is_sharded_root
 from lightning_npu.parallel.mesh import build_mesh
 from lightning_npu.parallel.optim import grad_norm as gn
+from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import (
     MixedPrecisionOptimizer,
     masters_as_parameters,
@@ -49,7 +51,10 @@ from lightning_npu.parallel.optim.mixed_precision import (
     wrap_lr_schedulers,
 )
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
+from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
+from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
 from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
+from lightning_npu.precision.hybrid import as_hybrid_precision
 
 
 class NPUHybridStrategy(DDPStrategy):
@@ -254,8 +259,6 @@ class NPUHybridStrategy(DDPStrategy):
         # Lightning's plugins for "32-true", "bf16-mixed", "16-mixed", "bf16-true" and "16-true" become
         # HybridPrecision on the accelerator's device type (Lightning builds a CUDA-device MixedPrecision
         # for every non-CPU accelerator); any other plugin is refused with a clear error.
-        from lightning_npu.precision.hybrid import as_hybrid_precision
-
         device = type(self.accelerator).name() if self.accelerator is not None else None
         self._precision_plugin = as_hybrid_precision(plugin, device)
 
@@ -289,16 +292,12 @@ class NPUHybridStrategy(DDPStrategy):
             module = self.lightning_module
             if module is None or not any(True for _ in module.parameters()):
                 return None  # the model is built in configure_model: planned in _setup_model
-            from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel
-
             self.tp_report = plan_tensor_parallel(
                 module, cfg.tensor_parallel_size, cfg.tp_plan, sequence_parallel=cfg.sequence_parallel
             )
         return self.tp_report
 
     def _distributed_optimizers(self) -> list[Any]:
-        from lightning_npu.parallel.optim.distributed import DistributedOptimizer
-
         return [o for o in (unwrap_optimizer(o) for o in self.optimizers) if isinstance(o, DistributedOptimizer)]
 
     def _tp_active(self) -> bool:
@@ -306,8 +305,6 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _loss_context(self) -> Any:
         if self._tp_active() and self.tp_report.vocab_parallel_head:
-            from lightning_npu.parallel.tensor_parallel.plan import vocab_parallel_cross_entropy
-
             return vocab_parallel_cross_entropy()
         return nullcontext()
 
@@ -381,8 +378,6 @@ class NPUHybridStrategy(DDPStrategy):
         """Each optimizer steps through a `MixedPrecisionOptimizer` (ZeRO-1: its `DistributedOptimizer` subclass over
         the dp slices, same class and groups), sharing the precision plugin's loss scaler and given the pp group its
         gradient statistics sum over; step-interval LR schedulers skip after a skipped step."""
-        from lightning_npu.parallel.optim.distributed import DistributedOptimizer
-
         plugin, cfg = self.precision_plugin, self.parallel_config
         scaler, pp_group = getattr(plugin, "scaler", None), gn.pipeline_group(self.device_mesh)
         wrappers: dict[int, MixedPrecisionOptimizer] = {}
@@ -412,8 +407,6 @@ class NPUHybridStrategy(DDPStrategy):
         if self.pipeline_plan is None or (self._pipeline is not None and self._pipeline.module is not module):
             if module is None or not any(True for _ in module.parameters()):
                 return None  # the model is built in configure_model: planned in _setup_model
-            from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
-
             self._pipeline = None
             self.pipeline_plan = plan_pipeline(module, cfg.pipeline_parallel_size, cfg.pipeline_schedule)
         return self.pipeline_plan
@@ -617,8 +610,6 @@ class NPUHybridStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None or module._trainer is None or not module.trainer.training:
             return dataloader  # evaluation loaders: Lightning checkpoints no position for them
-        from lightning_npu.parallel.data_parallel.sampler import resumable_dataloader
-
         return resumable_dataloader(dataloader)
 
 

@@ -7,13 +7,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.data_parallel.compression import (
-    CompressionConfigError,
-    CompressionSpec,
-    Compressor,
-    parse_compression,
-    spec_for,
-)
+from lightning_npu.parallel.data_parallel.compression import Compressor
+from lightning_npu.parallel.data_parallel.compression_spec import CompressionSpec, parse_compression, spec_for
+from lightning_npu.parallel.errors import CompressionConfigError
 
 N, STEPS = 100_003, 6  # an odd size: chunks and bit packing pad
 BOUNDS = {"bf16": 0.52, "int8": 0.27, "topk": 0.21, "onebit": 0.05}

@@ -8,7 +8,7 @@ import torch
 
 import lightning_npu
 from lightning_npu import NPUAccelerator, NPUHybridStrategy, device
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 
 
 def test_import_registers_strategy_and_accelerator_idempotently():

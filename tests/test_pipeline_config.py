@@ -6,7 +6,7 @@ import torch.nn as nn
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.pipeline_parallel.plan import PipelineLayoutError, balance_blocks, plan_pipeline
 from lightning_npu.parallel.pipeline_parallel.runner import bubble_fraction
 from tests._pp_workers import PP_GPT, expect_errors

@@ -16,7 +16,7 @@ from examples.gpt.model import GPT, GPTConfig, GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.launch import spawn
 from lightning_npu.callbacks import MemoryMonitor
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.recompute import apply_activation_checkpointing
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
 

@@ -6,7 +6,7 @@ import torch
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.launch import spawn
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel
 from lightning_npu.parallel.tensor_parallel.styles import _part_major, _rank_major
 from tests._tp_workers import HFCausalLM, fit_expect_error

@@ -32,7 +32,7 @@ class AtomicSaver:
 
     def save(self, trainer: Any, final: Path, meta: dict[str, Any]) -> Path:
         meta = {**meta}
-        meta.setdefault("run", run_id(trainer))
+        meta.setdefault("run", None)  # DynamicCheckpoint stamps its run id, so pruning stays within the run
         if getattr(trainer.strategy, "accepts_commit_request", False):
             request = _commit.CommitRequest(marker=meta, checksum=self.checksum)
             trainer.save_checkpoint(str(final), weights_only=False, storage_options=request)
@@ -131,12 +131,3 @@ class AtomicSaver:
                 _commit.release(token)
         self._pending.clear()
         return committed
-
-
-def run_id(trainer: Any) -> Optional[str]:
-    """The current run's id (`DynamicCheckpoint`'s), stamped into markers so pruning stays within the run."""
-    from lightning_npu.callbacks._dist import find_callback
-    from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
-
-    dyn = find_callback(trainer, DynamicCheckpoint)
-    return getattr(dyn, "run_id", None) if dyn is not None else None

@@ -159,7 +159,8 @@ class DynamicCheckpoint(Checkpoint):
         assert self.dirpath is not None, "DynamicCheckpoint.save() runs after setup (inside Trainer.fit)."
         step = trainer.global_step
         final = self.dirpath / _store.checkpoint_name(step)
-        meta = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size}
+        meta = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size,
+                "run": self.run_id}
         self._saver.save(trainer, final, meta)
         self._last_saved_step = step
         self.last_checkpoint = final

@@ -21,6 +21,7 @@ from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
 from lightning_npu.callbacks._validate import check_int
+from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
 from lightning_npu.parallel.checkpoint.safe_load import check_plain_data, refusing_unsafe
 
 log = logging.getLogger(__name__)
@@ -285,8 +286,6 @@ class GradientHealthGuard(Callback):
     def _checkpoint_dir(self, trainer: Any) -> Optional[Path]:
         if self.checkpoint_dir is not None:
             return Path(self.checkpoint_dir)
-        from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
-
         dyn = find_callback(trainer, DynamicCheckpoint)
         return dyn.dirpath if dyn is not None else None
 

@@ -28,6 +28,7 @@ from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._saver import AtomicSaver
 from lightning_npu.callbacks._validate import check_path
+from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ class PreemptionCheckpoint(Callback):
         self._restore()
 
     def _save_and_stop(self, trainer: Any) -> None:
-        from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
-
         dyn = find_callback(trainer, DynamicCheckpoint)
         if dyn is not None:
             if dyn.last_checkpoint is not None and dyn._last_saved_step == trainer.global_step:

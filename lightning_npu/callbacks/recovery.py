@@ -35,6 +35,7 @@ from lightning_npu import device as dev
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_flag, broadcast, find_callback
 from lightning_npu.callbacks._validate import check_bool, check_fraction, check_int, check_path
+from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ class TrainingGuard(Callback):
 
     # ---- where checkpoints are ----------------------------------------------------------
     def _dynamic(self, trainer: Any) -> Any:
-        from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
-
         return find_callback(trainer, DynamicCheckpoint)
 
     def resolve_checkpoint_dir(self, trainer: Any) -> Path:

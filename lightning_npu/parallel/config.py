@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from lightning_npu.ops.verdicts import PATTERNS
+from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
+from lightning_npu.parallel.errors import CompressionConfigError, ParallelConfigError
+
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
@@ -19,14 +23,6 @@ HIERARCHICAL = ("auto", True, False)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # torch.distributed's own backends plus the device plugins' (hccl comes with torch_npu, imported lazily)
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl", "cncl", "mccl")
-
-
-class ParallelConfigError(ValueError):
-    """A parallel layout argument is invalid; the message names the argument and the fix."""
-
-
-class NotImplementedYetError(NotImplementedError):
-    """A contract argument whose feature has not landed yet (never silently ignored)."""
 
 
 def _check_tp_plan_dict(tp_plan: dict) -> None:
@@ -64,8 +60,6 @@ def _check_fuse_ops(value: Any) -> None:
     """True (the device's measured table), False, "all", or a list of pattern names (to measure them)."""
     if isinstance(value, bool) or value == "all":
         return
-    from lightning_npu.ops.verdicts import PATTERNS
-
     if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v in PATTERNS for v in value)):
         raise ParallelConfigError(
             f"`fuse_ops={value!r}` must be True (the patterns measured faster on this device), False, 'all' or a "
@@ -240,8 +234,6 @@ class ParallelConfig:
             )
 
     def _check_compression(self) -> None:
-        from lightning_npu.parallel.data_parallel.compression import CompressionConfigError, parse_compression
-
         value = self.gradient_compression
         if isinstance(value, str) and value not in GRADIENT_COMPRESSIONS:
             raise ParallelConfigError(
@@ -268,13 +260,6 @@ class ParallelConfig:
                 f"`gradient_compression={self.gradient_compression!r}` with `hierarchical_allreduce=True`: a compressed "
                 "bucket is exchanged flat over the dp group; choose one (hierarchical_allreduce='auto' leaves "
                 "compressed buckets flat).")
-
-    def make_compressor(self) -> Any:
-        """The `compression.Compressor` every dp bucket reduction goes through, or None (uncompressed)."""
-        from lightning_npu.parallel.data_parallel.compression import Compressor, parse_compression
-
-        parsed = parse_compression(self.gradient_compression)
-        return None if parsed is None else Compressor(parsed)
 
     # ---- checks that need the world size --------------------------------------------------
     def resolve(self, world_size: int) -> "ParallelConfig":

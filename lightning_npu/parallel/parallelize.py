@@ -35,10 +35,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_npu.ops import rewrite_modules
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.data_parallel import sync as gs
 from lightning_npu.parallel.data_parallel import wrap as data_parallel
 from lightning_npu.parallel.data_parallel.buffers import buffer_broadcast
+from lightning_npu.parallel.data_parallel.compression import Compressor
+from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
+from lightning_npu.parallel.errors import ParallelConfigError
+from lightning_npu.parallel.pipeline_parallel.runner import PipelineRunner
+from lightning_npu.parallel.recompute import AutoRecompute, apply_activation_checkpointing
+from lightning_npu.parallel.tensor_parallel import plan as tp
+from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
 
 @dataclass
@@ -81,15 +89,11 @@ def parallelize(
     buffer_sync = buffer_broadcast(model, mesh, uses_ddp=wrapped is not model)
     auto = None
     if cfg.activation_checkpointing == "auto":
-        from lightning_npu.parallel.recompute import AutoRecompute
-
         auto = AutoRecompute(model, cfg.memory_budget_gb * 1e9 if cfg.memory_budget_gb else None)
     return Parallelized(wrapped, pipeline, sync, fusion_report, recompute_report, auto, buffer_sync)
 
 
 def apply_fused_ops(model: nn.Module, device: torch.device, cfg_fuse: Any = True) -> Any:
-    from lightning_npu.ops import rewrite_modules
-
     patterns = None if cfg_fuse is True else cfg_fuse  # True: the device's measured table
     return rewrite_modules(model, device=device, patterns=patterns)
 
@@ -100,9 +104,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
     ``localize`` (zero 0/1): the parameters are stored as plain local shards (`tp_shards` says why); under
     zero 2/3 they stay DTensors, which FSDP2 makes 2-D ``(dp, tp)``.
     """
-    from lightning_npu.parallel.tensor_parallel import plan as tp
-    from lightning_npu.parallel.tensor_parallel import shards as tp_shards
-
     model.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
     if plan is None or not plan.styles:
         return []
@@ -119,15 +120,11 @@ def apply_ac(model: nn.Module, policy: Any) -> Any:
     """Recompute blocks' activations in backward (`recompute`); hooks only, so names and the module tree stay."""
     if policy is None:
         return None
-    from lightning_npu.parallel.recompute import apply_activation_checkpointing
-
     return apply_activation_checkpointing(model, policy)
 
 
 def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any, device: torch.device) -> Any:
     """Keep only this rank's stages of `model` (in place) and build their schedules."""
-    from lightning_npu.parallel.pipeline_parallel.runner import PipelineRunner
-
     # the whole model's parameter order: a single-file optimizer state indexes the stages' parameters by it, as a
     # one-process run does (interleaved stages would otherwise come rank by rank)
     model._lnpu_parameter_order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
@@ -154,7 +151,8 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
             model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
         return model, gs.FullyShardedGradientSync(model if pipeline is None else None)
-    compressor = cfg.make_compressor()
+    parsed = parse_compression(cfg.gradient_compression)
+    compressor = None if parsed is None else Compressor(parsed)  # every dp bucket reduction goes through it
     if compressor is not None:
         resolve_compression(compressor, model, cfg)
     if cfg.uses_distributed_optimizer:
@@ -184,7 +182,6 @@ def resolve_compression(compressor: Any, model: nn.Module, cfg: ParallelConfig) 
     matches no parameter on any rank (the pipeline's stages together) is an error. Collective (with globs)."""
     import torch.distributed as dist
 
-    from lightning_npu.parallel.config import ParallelConfigError
 
     matched = compressor.resolve(model.named_parameters())
     if not compressor.per_module:

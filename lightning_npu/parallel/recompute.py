@@ -26,7 +26,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_npu.memory import note_kept
+from lightning_npu.memory import SavedActivations, model_state_bytes, note_kept, storage_bytes, storage_keys
+from lightning_npu.parallel.pipeline_parallel.plan import declared_layout, find_blocks
+from lightning_npu.precision.hybrid import FUNCTION_MODES
 
 POLICIES = ("full", "selective")
 
@@ -67,8 +69,6 @@ def checkpointed_indices(num_blocks: int, policy: Union[int, str]) -> tuple[int,
 def block_list(module: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's blocks: the ``pipeline_layout`` declaration's, or the ``nn.ModuleList`` holding the most
     parameters (GPT's ``transformer.h``, a ``transformers`` decoder's ``layers``), as the pipeline split finds them."""
-    from lightning_npu.parallel.pipeline_parallel.plan import declared_layout, find_blocks
-
     fqn = declared_layout(module).blocks or find_blocks(module)
     return fqn, module.get_submodule(fqn)
 
@@ -115,8 +115,6 @@ class AutoRecompute:
     """
 
     def __init__(self, module: nn.Module, budget_bytes: Optional[float]) -> None:
-        from lightning_npu.memory import SavedActivations, storage_keys
-
         self.fqn, self.blocks = block_list(module)
         self.budget_bytes = budget_bytes
         self.report: Optional[RecomputeReport] = None
@@ -130,8 +128,6 @@ class AutoRecompute:
         ]
 
     def _enter_first_block(self, module: nn.Module, args: tuple) -> None:
-        from lightning_npu.memory import storage_bytes
-
         self._input_bytes = storage_bytes(a for a in args if isinstance(a, torch.Tensor))
         self._block.start()  # (while it counts, the step's meter does not see these: hooks do not nest)
 
@@ -142,8 +138,6 @@ class AutoRecompute:
         if self._step.peak == 0:
             self._step.start()
             return
-        from lightning_npu.memory import model_state_bytes
-
         self.decide(sum(model_state_bytes(module, optimizers).values()), free_bytes, device)
         from lightning.pytorch.utilities import rank_zero_info
 
@@ -195,8 +189,6 @@ def _contexts(selective: bool) -> tuple[Any, Any]:
 @contextlib.contextmanager
 def _note_modes(modes: list[type]) -> Any:
     from torch.overrides import _get_current_function_mode_stack
-
-    from lightning_npu.precision.hybrid import FUNCTION_MODES
 
     modes[:] = [type(m) for m in _get_current_function_mode_stack() if type(m) in FUNCTION_MODES]
     yield

@@ -15,7 +15,14 @@ from typing import Any, Optional
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
 from lightning_npu.planner.search import Estimate, Plan, plan
 from lightning_npu.planner.spec import (
-    ATTENTIONS, MLPS, PRECISIONS, SCHEDULES, ClusterSpec, ModelSpec, PlannerError, model_from_config,
+    ATTENTIONS,
+    MLPS,
+    PRECISIONS,
+    SCHEDULES,
+    ClusterSpec,
+    ModelSpec,
+    PlannerError,
+    model_from_config,
 )
 
 PROG = "lightning-npu plan"

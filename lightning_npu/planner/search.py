@@ -9,7 +9,17 @@ from typing import Any, Optional
 
 from lightning_npu.planner.memory import GB, StageMemory, peak_memory
 from lightning_npu.planner.spec import (
-    OPTIMIZERS, PRECISIONS, RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, ClusterSpec, Layout, ModelSpec, PlannerError, _choice,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE,
+    SCHEDULES,
+    VIRTUAL_STAGES,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    PlannerError,
+    _choice,
+    model_from_config,
 )
 from lightning_npu.planner.timing import StepTime, step_time
 
@@ -98,8 +108,6 @@ def plan(
     `ClusterSpec` or its fields. Layouts that cannot run or do not fit in device memory are counted in
     ``Plan.rejected`` by reason. Pure arithmetic: nothing is allocated, no process group is created.
     """
-    from lightning_npu.planner.spec import model_from_config
-
     if isinstance(model, str):
         model = model_from_config(model)
     elif isinstance(model, dict):

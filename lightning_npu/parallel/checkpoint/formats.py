@@ -27,6 +27,17 @@ import torch
 from torch import nn
 
 from lightning_npu.parallel.checkpoint import commit as _commit
+from lightning_npu.parallel.checkpoint import safe_load as ckpt
+from lightning_npu.parallel.checkpoint import sharded
+from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
+from lightning_npu.parallel.checkpoint.full_state import (
+    _indexed,
+    full_state_dict,
+    optimizer_groups,
+    select_optimizer_state,
+)
+from lightning_npu.parallel.checkpoint.sharded import layout_metadata
+from lightning_npu.parallel.tensor_parallel.shards import full_tensors, unfuse_full_tensors
 
 _PathLike = Union[str, Path]
 
@@ -45,9 +56,6 @@ def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
 def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> dict[str, torch.Tensor]:
     """`lightning_npu.full_state_dict`, with ZeRO-1's fp32 master slices gathered in place of 16-bit parameters
     (the exact weights, as the sharded form stores them). A collective."""
-    from lightning_npu.parallel.checkpoint.full_state import full_state_dict
-    from lightning_npu.parallel.tensor_parallel.shards import full_tensors
-
     state = full_state_dict(module)
     for opt in distributed_optimizers:
         masters = {fqn: m for fqn, m in opt.master_state_dict().items() if fqn in state and state[fqn].dtype != m.dtype}
@@ -84,9 +92,6 @@ def checkpoint_metadata(cfg: Any, world_size: int, module: nn.Module, optimizers
     (for ``--to hf``), and the optimizers' groups by FQN, from which :func:`load_checkpoint` rebuilds torch's
     optimizer format offline (directories) and a resume picks each parameter's state (files). A collective
     under pp."""
-    from lightning_npu.parallel.checkpoint.full_state import optimizer_groups
-    from lightning_npu.parallel.checkpoint.sharded import layout_metadata
-
     info = layout_metadata(cfg, world_size, module)
     info["hf"] = hf_metadata(module)
     if single_file:
@@ -152,8 +157,6 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
               agree: Callable[[Optional[str]], Optional[str]], request: Optional[_commit.CommitRequest] = None) -> None:
     """Collective. Rank 0 writes `checkpoint` (full tensors) to a temporary sibling and commits it as `final`;
     `agree(message)` broadcasts rank 0's error message, so every rank raises (or not) together."""
-    from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
-
     final = Path(final)
     request = request if request is not None else _commit.CommitRequest()
     tmp = _commit.temp_path(final, token)
@@ -191,9 +194,6 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
     with ``weights_only=True``. Use it where Lightning's own loader meets a directory, e.g.
     ``model.load_state_dict(lightning_npu.load_checkpoint(path)["state_dict"])``.
     """
-    from lightning_npu.parallel.checkpoint import safe_load as ckpt
-    from lightning_npu.parallel.checkpoint import sharded
-
     path = sharded.resolve_checkpoint_path(path)
     if path.is_file():
         return ckpt.safe_torch_load(path)
@@ -213,8 +213,6 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
 def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A single file's whole-model optimizer states, each re-indexed to the parameters its optimizer holds here
     (e.g. one pipeline stage's), where the file records their FQNs; as it is otherwise (plain Lightning files)."""
-    from lightning_npu.parallel.checkpoint.full_state import select_optimizer_state
-
     groups = (checkpoint.get("lightning_npu") or {}).get("optimizer_groups")
     if not groups or "optimizer_states" not in checkpoint:
         return checkpoint
@@ -225,10 +223,6 @@ def own_optimizer_states(module: nn.Module, optimizers: list[Any], checkpoint: d
 
 def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[dict[str, Any]]]) -> list[dict]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from lightning_npu.parallel.checkpoint import safe_load as ckpt
-    from lightning_npu.parallel.checkpoint.full_state import _indexed
-    from lightning_npu.parallel.tensor_parallel.shards import unfuse_full_tensors
 
     stored = ckpt.checkpoint_tensor_metadata(path)
     fused = (meta.get("lightning_npu") or {}).get("fused") or {}

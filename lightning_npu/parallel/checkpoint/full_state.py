@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_npu.parallel.checkpoint.sharded import optimizer_state_dict
 from lightning_npu.parallel.optim import grad_norm as gn
-from lightning_npu.parallel.tensor_parallel import shards as tp_shards
+from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import masters_as_parameters, unwrap_optimizer
+from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
 
 def _optimizers(module: nn.Module) -> list[Any]:
@@ -82,8 +84,6 @@ def load_full_state_dict(module: nn.Module, state: dict[str, Any], strict: bool 
 
 
 def _refresh_distributed_optimizers(module: nn.Module) -> None:
-    from lightning_npu.parallel.optim.distributed import DistributedOptimizer
-
     for opt in map(unwrap_optimizer, _optimizers(module)):
         if isinstance(opt, DistributedOptimizer):
             opt.refresh_masters_from_parameters()
@@ -103,8 +103,6 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, An
     collective (call on every rank), in any layout; a plain `torch.optim` optimizer, or Lightning under "ddp",
     loads it with ``load_state_dict``. Why: a single-file checkpoint must be loadable without lightning-npu.
     """
-    from lightning_npu.parallel.checkpoint.sharded import optimizer_state_dict
-
     optimizer = unwrap_optimizer(optimizer)
     groups = optimizer_groups(module, optimizer)
     with masters_as_parameters(module, [optimizer]):  # 16-bit params' fp32 masters are keyed by the params' FQNs

@@ -74,7 +74,7 @@ from lightning_npu.parallel.checkpoint.safe_load import (
 )
 from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
-from lightning_npu.parallel.tensor_parallel.shards import fused_layout
+from lightning_npu.parallel.tensor_parallel.shards import fused_layout, refuse_fused, unfuse_full_tensors
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -433,8 +433,6 @@ def consolidate_model_state(path: _PathLike, strip_prefix: str = "") -> tuple[di
         raise CheckpointMismatchError(f"{str(path)!r} holds no model tensors (no '{MODEL_KEY}.*' entries).")
     dcp_load(template, path, no_dist=True)
     # fused projections (q|k|v, gate|up) saved under tp > 1 are stored rank-major: back to the model's layout
-    from lightning_npu.parallel.tensor_parallel.shards import unfuse_full_tensors
-
     full = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()},
                                (meta.get("lightning_npu") or {}).get("fused") or {})
     out = {}
@@ -472,8 +470,6 @@ def load_sharded_relayout(
     the state per rank while loading.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from lightning_npu.parallel.tensor_parallel.shards import refuse_fused, unfuse_full_tensors
 
     path = resolve_checkpoint_path(path)
     if not is_sharded_checkpoint(path):

@@ -1,6 +1,6 @@
 """Gradient compression: each mode is a transformation of one bucket's dp reduction.
 
-`Compressor.sum(flat, group, key)` replaces `grad_sync.reduce_bucket`'s SUM of one fp32 bucket: it compresses this
+`Compressor.sum(flat, group, key)` replaces `sync.reduce_bucket`'s SUM of one fp32 bucket: it compresses this
 rank's bucket, exchanges the compressed payloads with torch.distributed collectives, and writes the decompressed
 sum back into `flat` (the caller divides by the dp size, as for the uncompressed path). Lossy modes keep an error
 feedback residual per bucket (`key`): what compression dropped this step is added to the next step's gradient, so
@@ -29,7 +29,6 @@ pass each bucket's (or each glob segment's) spec to `Compressor.sum`.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -38,102 +37,26 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_npu.parallel.data_parallel.sync import all_gather_into, matrices_of
+from lightning_npu.parallel.collectives import all_gather_into
+from lightning_npu.parallel.data_parallel.compression_spec import CompressionSpec, _glob_of
 from lightning_npu.parallel.data_parallel.onebit_adam import FrozenVarianceAdam
 
-MODES = ("bf16", "int8", "topk", "onebit", "powersgd")
 CHUNK = 256  # values per int8/onebit scale
 _BURSTY_UNDER_ADAM = ("topk", "onebit", "powersgd")  # gradient error feedback sends these in bursts
 
 
-class CompressionConfigError(ValueError):
-    """A `gradient_compression` value is invalid; the message names it and the fix."""
-
-
-@dataclass(frozen=True)
-class CompressionSpec:
-    mode: str
-    ratio: float = 0.1  # topk: the fraction of values sent
-    warmup_steps: int = 0  # steps reduced uncompressed first (onebit: 1-bit Adam's warm-up)
-    rank: int = 1  # powersgd: the rank of the approximation
-    error_feedback: bool = True
-    frozen_variance: bool = False  # 1-bit Adam: compress Adam's momentum, freeze its variance after the warm-up
-
-
-def parse_compression(value: Any) -> Union[None, CompressionSpec, dict[str, Optional[CompressionSpec]]]:
-    """``None``, a mode name, ``{"mode": ..., options}``, or ``{module glob: mode or options or None}``."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return _spec({"mode": value})
-    if isinstance(value, dict) and "mode" in value:
-        return _spec(value)
-    if isinstance(value, dict) and value:
-        return {str(glob): _glob_value(str(glob), v) for glob, v in value.items()}
-    raise CompressionConfigError(
-        f"`gradient_compression={value!r}` must be None, a mode name ({', '.join(MODES)}), "
-        "{'mode': ..., 'ratio': ..., 'warmup_steps': ..., 'rank': ..., 'error_feedback': ..., 'frozen_variance': ...} or "
-        "{module glob: mode}.")
-
-
-def _glob_value(glob: str, value: Any) -> Optional[CompressionSpec]:
-    if value is None:
-        return None
-    if not (isinstance(value, str) or (isinstance(value, dict) and "mode" in value)):
-        raise CompressionConfigError(
-            f"`gradient_compression[{glob!r}]={value!r}` must be None (uncompressed), a mode name ({', '.join(MODES)}) "
-            "or an options dict with a 'mode'.")
-    try:
-        return _spec({"mode": value} if isinstance(value, str) else value)
-    except (CompressionConfigError, TypeError) as err:
-        raise CompressionConfigError(f"`gradient_compression[{glob!r}]`: {err}") from None
-
-
-def _spec(options: dict) -> CompressionSpec:
-    unknown = set(options) - set(CompressionSpec.__dataclass_fields__)
-    if unknown:
-        raise CompressionConfigError(
-            f"`gradient_compression` has unknown options {sorted(unknown)}; use {sorted(CompressionSpec.__dataclass_fields__)}.")
-    spec = CompressionSpec(**options)
-    if spec.mode not in MODES:
-        raise CompressionConfigError(f"`gradient_compression` mode {spec.mode!r} is unknown; choose one of {list(MODES)}.")
-    if isinstance(spec.ratio, bool) or not isinstance(spec.ratio, (int, float)) or not 0 < spec.ratio <= 1:
-        raise CompressionConfigError(f"`gradient_compression` ratio={spec.ratio!r} must be in (0, 1], e.g. 0.1 (10%).")
-    if isinstance(spec.warmup_steps, bool) or not isinstance(spec.warmup_steps, int) or spec.warmup_steps < 0:
-        raise CompressionConfigError(
-            f"`gradient_compression` warmup_steps={spec.warmup_steps!r} must be an int >= 0 (steps sent uncompressed).")
-    if isinstance(spec.rank, bool) or not isinstance(spec.rank, int) or spec.rank < 1:
-        raise CompressionConfigError(f"`gradient_compression` rank={spec.rank!r} must be a positive int, e.g. 1.")
-    if not isinstance(spec.error_feedback, bool):
-        raise CompressionConfigError(f"`gradient_compression` error_feedback={spec.error_feedback!r} must be True or False.")
-    if not isinstance(spec.frozen_variance, bool):
-        raise CompressionConfigError(
-            f"`gradient_compression` frozen_variance={spec.frozen_variance!r} must be True or False.")
-    if spec.frozen_variance and (spec.mode == "bf16" or not spec.error_feedback or spec.warmup_steps < 1):
-        raise CompressionConfigError(
-            f"`gradient_compression` frozen_variance=True (1-bit Adam) with mode={spec.mode!r}, "
-            f"error_feedback={spec.error_feedback}, warmup_steps={spec.warmup_steps}: it needs a lossy mode (int8, "
-            "topk, onebit, powersgd) with error feedback and a dense warm-up of warmup_steps >= 1 steps, from which "
-            "Adam's variance is frozen (e.g. warmup_steps=100).")
-    return spec
-
-
-def spec_for(parsed: Any, module_name: str, param_name: Optional[str] = None) -> Optional[CompressionSpec]:
-    """The spec that applies to a parameter of module `module_name` (full name `param_name`): for a dict of globs,
-    the first glob, in the dict's order, that matches the module name or the parameter's name (None: no glob)."""
-    if not isinstance(parsed, dict):
-        return parsed
-    for glob, spec in parsed.items():
-        if fnmatch.fnmatchcase(module_name, glob) or (param_name is not None and fnmatch.fnmatchcase(param_name, glob)):
-            return spec
-    return None
-
-
-def _glob_of(parsed: dict, module_name: str, param_name: str) -> Optional[str]:
-    for glob in parsed:
-        if fnmatch.fnmatchcase(module_name, glob) or fnmatch.fnmatchcase(param_name, glob):
-            return glob
-    return None
+def matrices_of(flat: torch.Tensor, parts: int, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """PowerSGD's view of a bucket: `flat` is `parts` equal rank-major parts (ZeRO-1's send buffer; one part
+    otherwise), each holding every parameter's dim-0 chunk, zero-padded to ceil(rows / parts) rows, back to back.
+    Each gradient becomes a (parts, rows per part, cols) view of `flat`, with its real row count."""
+    grid, out, offset = flat.view(parts, -1), [], 0
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        cols = p.numel() // rows if rows else 0
+        per_part = math.ceil(rows / parts)
+        out.append((grid[:, offset: offset + per_part * cols].view(parts, per_part, cols), rows))
+        offset += per_part * cols
+    return out
 
 
 def _all_gather(flat: torch.Tensor, group: Any) -> torch.Tensor:
@@ -217,7 +140,7 @@ class Compressor:
             params: Optional[list[torch.Tensor]] = None, parts: int = 1) -> None:
         """`flat` (fp32, this rank's bucket) <- the decompressed SUM over `group`, compressed as `spec` says
         (default: the one spec of a compressor that has no globs). `params`: the parameters whose gradients `flat`
-        holds in `parts` rank-major parts (`grad_sync.matrices_of`), which PowerSGD factorises one by one."""
+        holds in `parts` rank-major parts (`matrices_of`), which PowerSGD factorises one by one."""
         if spec is None:
             if self.per_module:
                 raise ValueError("Compressor.sum needs the bucket's spec when gradient_compression has globs.")
@@ -432,4 +355,3 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=packed.device)
     return ((packed[:, None] & weights) != 0).flatten()[:n]
-

@@ -27,7 +27,9 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu import device as dev
+from lightning_npu.parallel.collectives import all_gather_into, reduce_scatter_into
+from lightning_npu.parallel.errors import ParallelConfigError
 
 AUTO_MIN_BUCKET_BYTES = 8 * 2**20  # "auto": buckets of at least 8 MiB (the seeds' threshold) go hierarchical
 
@@ -50,8 +52,6 @@ class HierarchicalAllReduce:
 
     def all_reduce(self, flat: torch.Tensor) -> Any:
         """SUM `flat` in place over the dp group in three stages; returns a work to wait on (see module doc)."""
-        from lightning_npu.parallel.data_parallel.sync import _reduce_scatter, all_gather_into
-
         self.launched += 1
         if self.local == 1:  # one dp rank per node: only the inter-node stage is left
             return dist.all_reduce(flat, group=self.inter, async_op=True)
@@ -64,7 +64,7 @@ class HierarchicalAllReduce:
             buf[:numel].copy_(flat.reshape(-1))
         buf = buf.view(-1)
         shard = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-        _reduce_scatter(shard, buf, group=self.intra, async_op=True).wait()
+        reduce_scatter_into(shard, buf, group=self.intra, async_op=True).wait()
         dist.all_reduce(shard, group=self.inter, async_op=True).wait()
         work = all_gather_into(buf, shard, group=self.intra, async_op=True)
         if not padded:
@@ -192,8 +192,6 @@ def setup_hierarchy(mesh: Any, mode: Union[str, bool], zero_stage: int, num_node
                 "`hierarchical_allreduce=True` needs more than one node (Trainer(num_nodes=N) or torchrun --nnodes N, "
                 "N >= 2); on one node every link is intra-node: use 'auto' or False.")
         return None
-    from lightning_npu import device as dev
-
     hierarchy = build_hierarchy(mesh, mode, gather_node_ranks(node_rank),
                                 pg_options=dev.group_options(device_type, bucket_size_mb))
     if hierarchy is not None:

@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_npu.parallel.errors import CompressionConfigError
+
 
 class FrozenVarianceAdam:
     """The Adam optimizers whose momentum is compressed, and their step with the variance frozen."""
@@ -32,8 +34,6 @@ class FrozenVarianceAdam:
     def bind(self, optimizers: list[Any]) -> None:
         """The strategy's `MixedPrecisionOptimizer` wrappers (zero_stage 0: `ParallelConfig` refuses ZeRO 1): each
         must wrap a plain Adam/AdamW; it then steps through `step`."""
-        from lightning_npu.parallel.data_parallel.compression import CompressionConfigError
-
         for wrapper in optimizers:
             inner = getattr(wrapper, "optimizer", None)
             if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
@@ -63,8 +63,6 @@ class FrozenVarianceAdam:
         for p in params:
             entry = self._adam.get(id(p))
             if entry is None:
-                from lightning_npu.parallel.data_parallel.compression import CompressionConfigError
-
                 raise CompressionConfigError(
                     "`gradient_compression` frozen_variance=True: a compressed parameter is not stepped by a bound "
                     "torch.optim.Adam/AdamW.")

@@ -33,33 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_npu.parallel.collectives import reduce_scatter_into
 from lightning_npu.parallel.data_parallel import hierarchical
-
-
-def _reduce_scatter(*args: Any, **kwargs: Any) -> Any:
-    # torch 2.13 renamed the single-tensor collectives (the old names warn)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(*args, **kwargs)
-
-
-def all_gather_into(*args: Any, **kwargs: Any) -> Any:
-    """`dist.all_gather_into_tensor` under the name torch 2.13 gives it (the old name warns)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(*args, **kwargs)
-
-
-def matrices_of(flat: torch.Tensor, parts: int, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """PowerSGD's view of a bucket: `flat` is `parts` equal rank-major parts (ZeRO-1's send buffer; one part
-    otherwise), each holding every parameter's dim-0 chunk, zero-padded to ceil(rows / parts) rows, back to back.
-    Each gradient becomes a (parts, rows per part, cols) view of `flat`, with its real row count."""
-    grid, out, offset = flat.view(parts, -1), [], 0
-    for p in params:
-        rows = p.shape[0] if p.dim() else 1
-        cols = p.numel() // rows if rows else 0
-        per_part = math.ceil(rows / parts)
-        out.append((grid[:, offset: offset + per_part * cols].view(parts, per_part, cols), rows))
-        offset += per_part * cols
-    return out
 
 
 def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = None, compressor: Any = None,
@@ -85,7 +60,7 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
         if hierarchy is not None and hierarchy.applies(flat):
             return hierarchy.all_reduce(flat)
         return dist.all_reduce(flat, group=group, async_op=True)
-    return _reduce_scatter(out, flat, group=group, async_op=True)
+    return reduce_scatter_into(out, flat, group=group, async_op=True)
 
 
 # ---- the buckets of zero 0 under pp and zero 1 -----------------------------------------------------
@@ -427,8 +402,6 @@ class FullyShardedGradientSync(GradientSync):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        from lightning_npu.parallel.data_parallel.wrap import set_gradient_sync
-
         if self.module is not None:
             set_gradient_sync(self.module, False)
         try:
@@ -440,6 +413,21 @@ class FullyShardedGradientSync(GradientSync):
 
 
 # ---- zero 2/3: FSDP2's reduce-scatter, through the same bucket reduction -------------------------------
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: skip (False) or perform (True) the gradient reduce-scatter of the next backward(s).
+
+    Accumulating micro-steps then keep unsharded local gradients and communicate nothing.
+    """
+    for m in fsdp_modules(module):
+        m.set_requires_gradient_sync(enabled, recurse=False)
+
+
 def fsdp_reduce_scatter() -> Any:
     """A `ReduceScatter` for FSDP2's ``FSDPModule.set_custom_reduce_scatter``: each unit's flat gradient bucket goes
     through `reduce_bucket`, so what wraps it (compression, hierarchy) wraps ZeRO 2/3 too.

@@ -11,7 +11,7 @@ of an ``nn.ModuleList``) becomes one FSDP unit, then every top-level submodule o
 LightningModule, then (only if it holds parameters directly, like ViT's ``cls_token``) the
 LightningModule itself, as the root unit of those leftovers. Parameters are stored as dp-sharded
 DTensors (the fp32 master shards), gradients are reduce-scattered into dp-sharded DTensors (each
-unit's bucket through `grad_sync.reduce_bucket`), and the user's optimizer steps the
+unit's bucket through `sync.reduce_bucket`), and the user's optimizer steps the
 local shards. Stage 2 keeps the all-gathered parameters from forward through backward
 (``reshard_after_forward=False``, no second all-gather); stage 3 frees them after each unit's
 forward and gathers again in backward (``reshard_after_forward=True``). Both reshard after
@@ -43,6 +43,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+
+from lightning_npu.parallel.data_parallel.sync import fsdp_modules, fsdp_reduce_scatter
+from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+from lightning_npu.parallel.tensor_parallel.plan import tp_replicated_modules
 
 
 def wrap_data_parallel(
@@ -106,9 +110,7 @@ def fully_shard_data_parallel(
 
 
 def route_reduce_scatter(module: torch.nn.Module) -> None:
-    """Every FSDP2 unit under `module` reduce-scatters its gradient bucket through `grad_sync.reduce_bucket`."""
-    from lightning_npu.parallel.data_parallel.sync import fsdp_reduce_scatter
-
+    """Every FSDP2 unit under `module` reduce-scatters its gradient bucket through `sync.reduce_bucket`."""
     comm = fsdp_reduce_scatter()
     for unit in fsdp_modules(module):
         unit.set_custom_reduce_scatter(comm)
@@ -158,8 +160,6 @@ def fully_shard_sequence_parallel_norms(module: torch.nn.Module, dp_mesh: Device
     (``SequenceParallel`` returns a view, which FSDP2 warns about; silenced for these modules only).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    from lightning_npu.parallel.tensor_parallel.plan import tp_replicated_modules
 
     norms = [m for m in tp_replicated_modules(module) if not isinstance(m, FSDPModule)]
     for norm in norms:
@@ -248,23 +248,8 @@ def finish_backward_without_reduce(stage: torch.nn.Module) -> None:
     stage.set_requires_gradient_sync(True)  # FSDP2's default between steps; the schedule sets it per backward
 
 
-def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
 def is_fully_sharded(module: torch.nn.Module) -> bool:
     return bool(fsdp_modules(module))
-
-
-def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
-    """FSDP2: skip (False) or perform (True) the gradient reduce-scatter of the next backward(s).
-
-    Accumulating micro-steps then keep unsharded local gradients and communicate nothing.
-    """
-    for m in fsdp_modules(module):
-        m.set_requires_gradient_sync(enabled, recurse=False)
 
 
 def broadcast_module_states(module: torch.nn.Module, mesh: DeviceMesh) -> None:
@@ -292,8 +277,6 @@ def gradient_bytes(module: torch.nn.Module) -> int:
 
 def sharded_optimizer_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of optimizer state this rank holds (its ZeRO shard, or everything when unsharded)."""
-    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
-
     inner = unwrap_optimizer(optimizer)
     total = 0
     for state in inner.state.values():

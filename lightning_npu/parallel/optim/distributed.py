@@ -5,8 +5,8 @@ owns only a 1/dp slice of every parameter: the rows ``[r*c, (r+1)*c)`` of its di
 ``c = ceil(dim0 / dp)`` (``torch.chunk``'s split, the one DTensor ``Shard(0)`` and FSDP2 use).
 A step is Megatron's distributed-optimizer step:
 
-1. gradients are reduce-scattered in fp32 bucket by bucket (`grad_sync.GradientBuckets`, whose
-   reductions all go through `grad_sync.reduce_bucket`), each bucket launched from a post-accumulate-grad
+1. gradients are reduce-scattered in fp32 bucket by bucket (`sync.GradientBuckets`, whose
+   reductions all go through `sync.reduce_bucket`), each bucket launched from a post-accumulate-grad
    hook as soon as its last gradient is ready, so communication overlaps the rest of backward;
    accumulating micro-steps communicate nothing;
 2. the user's optimizer (its class and hyper-parameters, re-created over the slices) steps the
@@ -39,10 +39,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
-from lightning_npu.parallel.data_parallel.sync import GradientBuckets, all_gather_into
+from lightning_npu.parallel.collectives import all_gather_into
+from lightning_npu.parallel.data_parallel.sync import GradientBuckets
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
-
 
 # optimizers whose update of an element depends only on that element's gradient and state
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 
 DEFAULT_LOG_NAMES = {"train": "train_loss", "validate": "val_loss", "test": "test_loss"}
 

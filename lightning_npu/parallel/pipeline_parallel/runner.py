@@ -61,7 +61,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.data_parallel.wrap import (
+    finish_backward_without_reduce,
+    fully_shard_pipeline_stage,
+    fully_shard_sequence_parallel_norms,
+)
+from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.pipeline_parallel.plan import PipelineLayoutError, PipelinePlan
 
 
@@ -137,8 +142,6 @@ def _stage_class() -> type:
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
-
-    from lightning_npu.parallel.data_parallel.wrap import finish_backward_without_reduce
 
     class _Stage(PipelineStage):
         def __init__(self, *args: Any, runner: "PipelineRunner", **kwargs: Any) -> None:
@@ -229,11 +232,6 @@ class PipelineRunner:
             return
         if self._schedules:
             raise RuntimeError("PipelineRunner.fully_shard must run before the first pipeline step.")
-        from lightning_npu.parallel.data_parallel.wrap import (
-            fully_shard_pipeline_stage,
-            fully_shard_sequence_parallel_norms,
-        )
-
         for stage in self.stage_modules:
             if param_dtype not in (None, torch.float32):
                 fully_shard_sequence_parallel_norms(stage, dp_mesh)  # before the stage's own units

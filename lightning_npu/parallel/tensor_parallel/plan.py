@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, loss_parallel, parallelize_module
 from torch.overrides import TorchFunctionMode
 
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.tensor_parallel.logits import unwrap_logits
 from lightning_npu.parallel.tensor_parallel.styles import (
     COLWISE_NAMES,

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from lightning_npu.parallel.config import ParallelConfigError
+from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 
 # ---- module-name conventions the automatic plan recognises ---------------------------------
