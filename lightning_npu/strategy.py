@@ -274,6 +274,7 @@ class NPUHybridStrategy(DDPStrategy):
             device_ids=self.determine_ddp_device_ids(),
             ddp_kwargs=self._ddp_kwargs,
             pipeline=self._pipeline if self._pipeline is not None and self._pipeline.module is model else None,
+            hierarchy=self.hierarchy,
         )
         self.fusion_report = result.fusion_report
         self.recompute_report = result.recompute_report

@@ -12,6 +12,7 @@ import lightning_npu  # noqa: F401
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel.data_parallel import wrap as data_parallel
+from lightning_npu.parallel.tensor_parallel.shards import fused_layout
 from tests._gpt_workers import LossRecorder, full_state, parity_trainer
 from tests._pp_workers import PP_GPT
 from tests._pp_zero_workers import _world
@@ -69,7 +70,7 @@ def run(
         "placements": {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()},
         "fsdp_units": sorted(type(m).__name__ for m in data_parallel.fsdp_modules(model)),
         "norm_weight_dtypes": sorted(norm_dtypes),
-        "fused": dict(getattr(model, "_lnpu_fused", None) or {}),
+        "fused": fused_layout(model),
         "optimizer": type(trainer.strategy.optimizers[0]).__name__,
     }
 

@@ -45,6 +45,7 @@ from lightning_npu.parallel.data_parallel.compression_spec import parse_compress
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.pipeline_parallel.runner import PipelineRunner
 from lightning_npu.parallel.recompute import AutoRecompute, apply_activation_checkpointing
+from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel import plan as tp
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
@@ -74,10 +75,12 @@ def parallelize(
     device_ids: Optional[list[int]],
     ddp_kwargs: dict[str, Any],
     pipeline: Any = None,
+    hierarchy: Any = None,
 ) -> Parallelized:
     """Shard `model` (the LightningModule, in place) over `mesh` as `cfg` says. Collective.
 
     `pipeline`: this model's stages when an earlier validate/test already split it (kept as they are).
+    `hierarchy`: the dp group's `hierarchical.HierarchicalAllReduce` (zero 0 all-reduce buckets), or None.
     """
     fusion_report = apply_fused_ops(model, device, cfg.fuse_ops) if cfg.fuse_ops else None
     zero23 = cfg.zero_stage in (2, 3)
@@ -85,7 +88,7 @@ def parallelize(
     recompute_report = apply_ac(model, cfg.activation_checkpointing)
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
-    wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs)
+    wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs, hierarchy)
     buffer_sync = buffer_broadcast(model, mesh, uses_ddp=wrapped is not model)
     auto = None
     if cfg.activation_checkpointing == "auto":
@@ -127,7 +130,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any,
     """Keep only this rank's stages of `model` (in place) and build their schedules."""
     # the whole model's parameter order: a single-file optimizer state indexes the stages' parameters by it, as a
     # one-process run does (interleaved stages would otherwise come rank by rank)
-    model._lnpu_parameter_order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
+    module_state(model).parameter_order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
     runner = PipelineRunner(model, plan, mesh["pp"], device, cfg.pipeline_schedule,
                             cfg.micro_batches or cfg.pipeline_parallel_size)
     # Lightning broadcasts rank 0's parameters before validate/test: pipeline stages hold different modules
@@ -138,7 +141,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any,
 
 def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelConfig, precision: Any,
              tp_names: list[str], device_ids: Optional[list[int]],
-             ddp_kwargs: dict[str, Any]) -> tuple[nn.Module, gs.GradientSync]:
+             ddp_kwargs: dict[str, Any], hierarchy: Any = None) -> tuple[nn.Module, gs.GradientSync]:
     """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync."""
     dp_mesh = mesh["dp"]
     if cfg.zero_stage in (2, 3):
@@ -165,7 +168,7 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
         if cfg.resolved_dp == 1:
             return model, gs.GradientSync()
         buckets = gs.GradientBuckets(pipeline.stage_parameters(), dp_mesh, cfg.bucket_size_mb, shard=False,
-                                     overlap=False, compressor=compressor)  # the schedule runs backward per micro-batch
+                                     overlap=False, compressor=compressor, hierarchy=hierarchy)  # the schedule runs backward per micro-batch
         pipeline.grad_listeners = [buckets.params_ready]  # so reduce per stage, after its last micro-batch backward
         return model, gs.BucketedGradientSync(buckets)
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
@@ -173,7 +176,8 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
         # DDP has taken every parameter (tp shards are averaged over dp too); from now on Lightning's whole-world
         # state broadcast (before validate/test) must skip the tp shards, which differ between tp ranks by design
         model._ddp_params_and_buffers_to_ignore = tp_names
-    return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor)
+    return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor,
+                                      hierarchy=hierarchy)
 
 
 def resolve_compression(compressor: Any, model: nn.Module, cfg: ParallelConfig) -> None:
@@ -181,7 +185,6 @@ def resolve_compression(compressor: Any, model: nn.Module, cfg: ParallelConfig) 
     split and activation checkpointing keep names; DDP's ``module.`` prefix is not in them). With globs, one that
     matches no parameter on any rank (the pipeline's stages together) is an error. Collective (with globs)."""
     import torch.distributed as dist
-
 
     matched = compressor.resolve(model.named_parameters())
     if not compressor.per_module:

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_npu.memory import SavedActivations, model_state_bytes, note_kept, storage_bytes, storage_keys
 from lightning_npu.parallel.pipeline_parallel.plan import declared_layout, find_blocks
+from lightning_npu.parallel.state import module_state
 from lightning_npu.precision.hybrid import FUNCTION_MODES
 
 POLICIES = ("full", "selective")
@@ -87,10 +88,10 @@ def apply_activation_checkpointing(module: nn.Module, policy: Union[int, str]) -
     context_fn = functools.partial(_contexts, selective=policy == "selective")
     for i in range(len(blocks)) if policy == "auto" else chosen:
         block = blocks[i]
-        if getattr(block, "_lnpu_recompute", None) is not None:
+        if module_state(block).recompute is not None:
             continue  # fit -> validate -> fit: hooks are registered once
         checkpoint(block, context_fn=context_fn)
-        block._lnpu_recompute = policy
+        module_state(block).recompute = policy
     report = RecomputeReport(fqn, policy, chosen, len(blocks))
     if policy == "auto":
         _enable(blocks, chosen)

@@ -13,6 +13,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_npu.parallel.state import module_state
+
 _HALF = (torch.bfloat16, torch.float16)
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def _first_float_tensor(tree: Any) -> Optional[Tensor]:
 
 def _island_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     x = _first_float_tensor((args, kwargs))
-    stack = module.__dict__.setdefault("_lnpu_fp32_stack", [])
+    stack = module_state(module).fp32_stack
     if x is None:
         stack.append((None, None))
         return args, kwargs
@@ -70,7 +72,7 @@ def _island_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
 
 
 def _island_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    stack = module.__dict__.get("_lnpu_fp32_stack")
+    stack = getattr(module_state(module, create=False), "fp32_stack", None)
     if not stack:
         return output
     ctx, dtype = stack.pop()
@@ -91,11 +93,11 @@ def install_fp32_islands(module: nn.Module) -> list[str]:
         if not (is_fp32_norm(m) or is_fp32_softmax(m)):
             continue
         names.append(name)
-        if m.__dict__.get("_lnpu_fp32_island"):
+        if module_state(m).fp32_island:
             continue
         m.register_forward_pre_hook(_island_pre_hook, with_kwargs=True)
         m.register_forward_hook(_island_post_hook, with_kwargs=True, always_call=True)
-        m.__dict__["_lnpu_fp32_island"] = True
+        module_state(m).fp32_island = True
     return names
 # ---------------------------------------------------------------------------------------------
 # fp32 islands: functional calls

@@ -18,6 +18,7 @@ from lightning_npu.parallel.checkpoint.sharded import optimizer_state_dict
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import masters_as_parameters, unwrap_optimizer
+from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
 
@@ -141,7 +142,7 @@ def optimizer_groups(module: nn.Module, optimizer: Any) -> list[dict[str, Any]]:
     if group is not None:
         parts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, groups, group=group)
-        order = getattr(module, "_lnpu_parameter_order", None) or {}
+        order = getattr(module_state(module, create=False), "parameter_order", None) or {}
         groups = [{**gs[0], "params": sorted((f for g in gs for f in g["params"]), key=lambda f: order.get(f, len(order)))}
                   for gs in zip(*parts)]
     return groups

@@ -73,6 +73,7 @@ from lightning_npu.parallel.checkpoint.safe_load import (
     safe_torch_load,
 )
 from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 from lightning_npu.parallel.tensor_parallel.shards import fused_layout, refuse_fused, unfuse_full_tensors
 
@@ -88,7 +89,7 @@ def _view(value: Any, param: Optional[torch.Tensor]) -> Any:
     DCP writes its global offsets and loads in place; `_settle` hands the local tensor back."""
     view = tp_shards.as_dtensor(value, param) if param is not None else value
     if view is not value:
-        view._lnpu_view = True
+        tensor_state(view).view = True
     return view
 
 
@@ -127,8 +128,8 @@ def _settle(templates: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]
     out = {}
     for key, value in loaded.items():
         template = templates.get(key)
-        is_view = getattr(template, "_lnpu_view", False)
-        is_master = getattr(template, "_lnpu_master", False)
+        marks = tensor_state(template, create=False) if isinstance(template, torch.Tensor) else None
+        is_view, is_master = (marks.view, marks.master) if marks is not None else (False, False)
         if (is_view or is_master) and value is not template:
             with torch.no_grad():
                 template.to_local().copy_(value.to_local() if isinstance(value, DTensor) else value)
@@ -141,7 +142,8 @@ def load_model_state(module: torch.nn.Module, templates: dict[str, Any], loaded:
                      optimizers: Iterable[Optimizer] = ()) -> None:
     """Apply a model state dict from :func:`model_state_dict` that DCP has filled (or that was re-sliced)."""
     settled = _settle(templates, loaded)
-    masters = [k for k, t in templates.items() if getattr(t, "_lnpu_master", False)]
+    masters = [k for k, t in templates.items() if isinstance(t, torch.Tensor)
+               and getattr(tensor_state(t, create=False), "master", False)]
     rest = {k: v for k, v in settled.items() if k not in masters}
     set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
     for opt in map(unwrap_optimizer, optimizers):

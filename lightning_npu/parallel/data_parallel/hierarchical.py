@@ -9,9 +9,9 @@ first, and each rank only sends its ``1/local`` shard across nodes:
 3. intra-node all-gather: every rank holds the whole sum again.
 
 The groups are sub-groups of each ``dp`` group of the mesh, built once by every rank in the same order
-(`build_hierarchy`, called by the strategy after the mesh). `grad_sync.reduce_bucket` consults `for_group` for the
-group it reduces over, so every all-reduce bucket (ZeRO 0: DDP's comm hook and the pipeline's buckets) goes through
-here when the hierarchy applies. ZeRO 1-3 reduce-scatter their buckets; the hierarchy does not apply to them.
+(`build_hierarchy`, called by the strategy after the mesh). `parallelize` hands it to the layout's all-reduce buckets
+(ZeRO 0: DDP's comm hook and the pipeline's buckets), whose `sync.reduce_bucket` calls go through here when the
+hierarchy applies. ZeRO 1-3 reduce-scatter their buckets; the hierarchy does not apply to them.
 
 Asynchrony: `HierarchicalAllReduce.all_reduce` returns the last stage's work. Each stage boundary is a
 ``Work.wait()``, which on NCCL/HCCL only makes the current stream wait (the host goes on, so a bucket still overlaps
@@ -32,9 +32,6 @@ from lightning_npu.parallel.collectives import all_gather_into, reduce_scatter_i
 from lightning_npu.parallel.errors import ParallelConfigError
 
 AUTO_MIN_BUCKET_BYTES = 8 * 2**20  # "auto": buckets of at least 8 MiB (the seeds' threshold) go hierarchical
-
-_BY_GROUP: dict[str, "HierarchicalAllReduce"] = {}
-
 
 class HierarchicalAllReduce:
     """This rank's intra-node and inter-node groups of its dp group, and the bucket sizes that use them."""
@@ -91,25 +88,6 @@ class DoneWork:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([self.value])
         return fut
-
-
-def for_group(group: Any) -> Optional[HierarchicalAllReduce]:
-    """The hierarchy attached to dp `group`, if any (`grad_sync.reduce_bucket` asks for every all-reduce)."""
-    if not _BY_GROUP or group is None:
-        return None
-    return _BY_GROUP.get(_name(group))
-
-
-def attach(group: Any, hierarchy: Optional[HierarchicalAllReduce]) -> None:
-    """Route `group`'s all-reduce buckets through `hierarchy` (None: back to the flat all-reduce)."""
-    if hierarchy is None:
-        _BY_GROUP.pop(_name(group), None)
-    else:
-        _BY_GROUP[_name(group)] = hierarchy
-
-
-def _name(group: Any) -> str:
-    return group.group_name
 
 
 def dp_rank_lists(mesh: Any) -> list[list[int]]:
@@ -180,10 +158,8 @@ def gather_node_ranks(node_rank: int) -> list[int]:
 
 def setup_hierarchy(mesh: Any, mode: Union[str, bool], zero_stage: int, num_nodes: int, node_rank: int,
                     device_type: str, bucket_size_mb: float) -> Optional[HierarchicalAllReduce]:
-    """The strategy's entry: decide, build and attach the hierarchy for this mesh's dp group (collective)."""
-    dp_group = mesh["dp"].get_group() if mesh.mesh.shape[1] > 1 else None
-    if dp_group is not None:
-        attach(dp_group, None)
+    """The strategy's entry: decide and build the hierarchy for this mesh's dp group (collective); the layout's
+    all-reduce buckets get it from `parallelize`."""
     if mode is False or zero_stage != 0:
         return None  # ZeRO 1-3 reduce-scatter (config refuses True there)
     if num_nodes <= 1:
@@ -192,8 +168,5 @@ def setup_hierarchy(mesh: Any, mode: Union[str, bool], zero_stage: int, num_node
                 "`hierarchical_allreduce=True` needs more than one node (Trainer(num_nodes=N) or torchrun --nnodes N, "
                 "N >= 2); on one node every link is intra-node: use 'auto' or False.")
         return None
-    hierarchy = build_hierarchy(mesh, mode, gather_node_ranks(node_rank),
-                                pg_options=dev.group_options(device_type, bucket_size_mb))
-    if hierarchy is not None:
-        attach(dp_group, hierarchy)
-    return hierarchy
+    return build_hierarchy(mesh, mode, gather_node_ranks(node_rank),
+                           pg_options=dev.group_options(device_type, bucket_size_mb))

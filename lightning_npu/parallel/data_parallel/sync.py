@@ -38,7 +38,8 @@ from lightning_npu.parallel.data_parallel import hierarchical
 
 
 def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = None, compressor: Any = None,
-                  key: str = "", spec: Any = None, params: Optional[list[torch.Tensor]] = None, parts: int = 1) -> Any:
+                  key: str = "", spec: Any = None, params: Optional[list[torch.Tensor]] = None, parts: int = 1,
+                  hierarchy: Any = None) -> Any:
     """Launch the SUM of one fp32 gradient bucket over the dp `group`; returns the async work.
 
     ``out=None``: all-reduce `flat` in place. Otherwise reduce-scatter `flat` (rank-major: rank r's part is
@@ -56,8 +57,7 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
             out.copy_(flat.view(world, -1)[rank])
         return hierarchical.DoneWork(flat if out is None else out)  # compressed: synchronous
     if out is None:
-        hierarchy = hierarchical.for_group(group)  # intra-node, inter-node, intra-node (hierarchical_allreduce)
-        if hierarchy is not None and hierarchy.applies(flat):
+        if hierarchy is not None and hierarchy.applies(flat):  # intra-node, inter-node, intra-node
             return hierarchy.all_reduce(flat)
         return dist.all_reduce(flat, group=group, async_op=True)
     return reduce_scatter_into(out, flat, group=group, async_op=True)
@@ -125,8 +125,9 @@ class GradientBuckets:
     """
 
     def __init__(self, params: list[nn.Parameter], dp_mesh: DeviceMesh, bucket_size_mb: float, shard: bool,
-                 overlap: bool, compressor: Any = None, key_prefix: str = "buckets") -> None:
+                 overlap: bool, compressor: Any = None, key_prefix: str = "buckets", hierarchy: Any = None) -> None:
         self.compressor = compressor
+        self.hierarchy = hierarchy  # `hierarchical.HierarchicalAllReduce` for the all-reduce buckets, or None
         self.key_prefix = key_prefix
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
@@ -186,7 +187,7 @@ class GradientBuckets:
             bucket.work = reduce_bucket(bucket.send, self.group, out=bucket.out, **self._compression(bucket))
         else:
             bucket.out = bucket.send
-            bucket.work = reduce_bucket(bucket.send, self.group, **self._compression(bucket))
+            bucket.work = reduce_bucket(bucket.send, self.group, hierarchy=self.hierarchy, **self._compression(bucket))
         bucket.launched = True
 
     def _compression(self, bucket: _Bucket) -> dict[str, Any]:
@@ -259,10 +260,15 @@ class GradientSync:
     def no_sync(self) -> Iterator[None]:
         """Accumulating micro-steps: no gradient communication until the stepping one."""
         self.enabled = False
+        self._communicate(False)
         try:
             yield
         finally:
+            self._communicate(True)
             self.enabled = True
+
+    def _communicate(self, enabled: bool) -> None:
+        """Switch this layout's own gradient communication off (accumulating) or back on."""
 
     def finish(self) -> None:
         """After a stepping backward: every gradient is reduced over dp once this returns."""
@@ -274,23 +280,22 @@ class GradientSync:
 class DDPGradientSync(GradientSync):
     """zero 0: DDP's reducer buckets and overlaps; its comm hook hands each bucket to `reduce_bucket` in fp32."""
 
-    def __init__(self, ddp: Any, fp32: bool = True, compressor: Any = None) -> None:
+    def __init__(self, ddp: Any, fp32: bool = True, compressor: Any = None, hierarchy: Any = None) -> None:
         self.ddp = ddp
         self.compressor = compressor
-        ddp.register_comm_hook(_HookState(ddp.process_group, fp32 or compressor is not None, compressor),
+        ddp.register_comm_hook(_HookState(ddp.process_group, fp32 or compressor is not None, compressor, hierarchy),
                                _ddp_comm_hook)
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with super().no_sync(), self.ddp.no_sync():
-            yield
+    def _communicate(self, enabled: bool) -> None:
+        self.ddp.require_backward_grad_sync = enabled  # what DDP's own no_sync() toggles
 
 
 class _HookState:
-    def __init__(self, group: Any, fp32: bool, compressor: Any = None) -> None:
+    def __init__(self, group: Any, fp32: bool, compressor: Any = None, hierarchy: Any = None) -> None:
         self.group = group
         self.fp32 = fp32
         self.compressor = compressor
+        self.hierarchy = hierarchy
 
 
 def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks real annotations)
@@ -298,9 +303,10 @@ def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks 
     flat = buf.to(torch.float32) if state.fp32 else buf  # the same tensor when the bucket is fp32 already
     compressor, key = state.compressor, f"ddp.{bucket.index()}"
     if compressor is not None and compressor.per_module:
-        fut = _reduce_segments(flat, bucket.parameters(), state.group, compressor, key)
+        fut = _reduce_segments(flat, bucket.parameters(), state.group, compressor, key, state.hierarchy)
     else:
-        fut = reduce_bucket(flat, state.group, compressor=compressor, key=key, params=bucket.parameters()).get_future()
+        fut = reduce_bucket(flat, state.group, compressor=compressor, key=key, params=bucket.parameters(),
+                            hierarchy=state.hierarchy).get_future()
     world = dist.get_world_size(state.group)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
@@ -312,7 +318,7 @@ def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks 
 
 
 def _reduce_segments(flat: torch.Tensor, params: list[torch.Tensor], group: Any, compressor: Any,
-                     key: str) -> torch.futures.Future:
+                     key: str, hierarchy: Any = None) -> torch.futures.Future:
     """Per-module globs in a DDP bucket (whose parameters' gradients lie back to back in `flat`): the gradients of
     each glob's parameters are one segment, compressed with its spec under the key ``<key>.g<i>`` (i: the glob's
     position in the dict); the parameters no glob compresses are one plain all-reduce. A segment whose parameters
@@ -321,7 +327,7 @@ def _reduce_segments(flat: torch.Tensor, params: list[torch.Tensor], group: Any,
     for name, spec, ranges in compressor.segments(params):
         part = flat[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else torch.cat([flat[a:b] for a, b in ranges])
         if spec is None:
-            work = reduce_bucket(part, group)
+            work = reduce_bucket(part, group, hierarchy=hierarchy)
         else:
             work = reduce_bucket(part, group, compressor=compressor, key=f"{key}.{name}", spec=spec,
                                  params=[p for p in params if compressor.group_of(p) == name])
@@ -350,14 +356,8 @@ class BucketedGradientSync(GradientSync):
         self.buckets = buckets
         self.compressor = buckets.compressor
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.buckets.enabled = False
-        try:
-            with super().no_sync():
-                yield
-        finally:
-            self.buckets.enabled = True
+    def _communicate(self, enabled: bool) -> None:
+        self.buckets.enabled = enabled
 
     def finish(self) -> None:
         if self.buckets.has_gradients():
@@ -377,16 +377,9 @@ class DistributedOptimizerSync(GradientSync):
         if pipeline is not None:  # each stage's slices reduce-scatter after its last micro-batch's backward
             pipeline.grad_listeners = [opt.grad_buckets.params_ready for opt in self.optimizers]
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def _communicate(self, enabled: bool) -> None:
         for opt in self.optimizers:
-            opt.grad_buckets.enabled = False
-        try:
-            with super().no_sync():
-                yield
-        finally:
-            for opt in self.optimizers:
-                opt.grad_buckets.enabled = True
+            opt.grad_buckets.enabled = enabled
 
     def finish(self) -> None:
         for opt in self.optimizers:
@@ -400,16 +393,9 @@ class FullyShardedGradientSync(GradientSync):
     def __init__(self, module: Optional[nn.Module]) -> None:
         self.module = module
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def _communicate(self, enabled: bool) -> None:
         if self.module is not None:
-            set_gradient_sync(self.module, False)
-        try:
-            with super().no_sync():
-                yield
-        finally:
-            if self.module is not None:
-                set_gradient_sync(self.module, True)
+            set_gradient_sync(self.module, enabled)
 
 
 # ---- zero 2/3: FSDP2's reduce-scatter, through the same bucket reduction -------------------------------

@@ -85,11 +85,7 @@ def fully_shard_data_parallel(
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if zero_stage not in (2, 3):
-        raise ValueError(f"fully_shard_data_parallel is for zero_stage 2 or 3, got {zero_stage}.")
-    check_no_scalar_parameters(module, zero_stage)
-    mp = _mixed_precision(param_dtype)
-    kwargs = dict(mesh=mesh["dp"], reshard_after_forward=zero_stage == 3, mp_policy=mp)
+    kwargs = _fully_shard_kwargs(module, mesh["dp"], zero_stage, param_dtype)
     if param_dtype not in (None, torch.float32):
         fully_shard_sequence_parallel_norms(module, mesh["dp"])
     for unit in _fsdp_units(module):
@@ -172,6 +168,15 @@ def fully_shard_sequence_parallel_norms(module: torch.nn.Module, dp_mesh: Device
         )
 
 
+def _fully_shard_kwargs(module: torch.nn.Module, dp_mesh: DeviceMesh, zero_stage: int,
+                        param_dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    """`fully_shard`'s arguments for every unit of a ZeRO-2/3 layout, after checking the module can be sharded."""
+    if zero_stage not in (2, 3):
+        raise ValueError(f"FSDP2 (fully_shard) is for zero_stage 2 or 3, got {zero_stage}.")
+    check_no_scalar_parameters(module, zero_stage)
+    return dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=_mixed_precision(param_dtype))
+
+
 def _mixed_precision(param_dtype: Optional[torch.dtype]) -> Any:
     """Gradients are reduce-scattered in fp32 whatever the parameters' dtype (bf16-true's 16-bit shards too)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -204,11 +209,7 @@ def fully_shard_pipeline_stage(
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    if zero_stage not in (2, 3):
-        raise ValueError(f"fully_shard_pipeline_stage is for zero_stage 2 or 3, got {zero_stage}.")
-    check_no_scalar_parameters(stage, zero_stage)
-    mp = _mixed_precision(param_dtype)
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp)
+    kwargs = _fully_shard_kwargs(stage, dp_mesh, zero_stage, param_dtype)
     units = _fsdp_units(stage)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     loose = [n for n, p in stage.named_parameters() if id(p) not in in_units]

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel.sync import GradientBuckets
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
+from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
 # optimizers whose update of an element depends only on that element's gradient and state
@@ -114,7 +115,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 with torch.no_grad():
                     bucket.local_view(flat, s).copy_(s.param.detach()[s.start : s.start + s.rows])
                 master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param))
-                master._lnpu_master = True  # checkpoints store it in place of the parameter
+                tensor_state(master).master = True  # checkpoints store it in place of the parameter
                 self._shard_of[id(s.param)] = master
                 self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param)
                 if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)

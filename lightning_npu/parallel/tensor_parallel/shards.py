@@ -25,9 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_npu.parallel.state import module_state, tensor_state
 from lightning_npu.parallel.tensor_parallel.styles import _part_major, _rank_major
-
-_LOCAL = "_lnpu_tp"  # the attribute a plain local shard carries: its Sharding
 
 
 class Sharding(NamedTuple):
@@ -43,13 +42,13 @@ def sharding_of(p: torch.Tensor) -> Optional[Sharding]:
     """The layout of a DTensor (parameter or not) or of a local tp shard; None for a plain (replicated) tensor."""
     if isinstance(p, DTensor):
         return Sharding(p.device_mesh, tuple(p.placements), p.shape, p.stride())
-    return getattr(p, _LOCAL, None)
+    return _sharding(p)
 
 
 def as_dtensor(value: Any, param: torch.Tensor) -> Any:
     """`value` (`param`, its gradient, or an optimizer state shaped like it) as a DTensor over the same storage
     when `param` is a local tp shard; anything else unchanged (a DTensor already, a scalar, a replicated tensor)."""
-    local = getattr(param, _LOCAL, None)
+    local = _sharding(param)
     if local is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.shape != param.shape:
         return value
     return _wrap(value, local)
@@ -62,8 +61,8 @@ def _wrap(local_value: torch.Tensor, sharding: Sharding) -> DTensor:
 
 def share_layout(copy: torch.Tensor, param: torch.Tensor) -> None:
     """`copy` (an fp32 master of `param`, same local shape) is sharded as `param` is."""
-    if getattr(param, _LOCAL, None) is not None:
-        setattr(copy, _LOCAL, getattr(param, _LOCAL))
+    if _sharding(param) is not None:
+        tensor_state(copy).sharding = _sharding(param)
 
 
 def localize_parameters(model: nn.Module) -> int:
@@ -79,22 +78,22 @@ def localize_parameters(model: nn.Module) -> int:
         for pname, p in own.items():
             if id(p) not in local_of:
                 local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
-                setattr(local, _LOCAL, sharding_of(p))
+                tensor_state(local).sharding = sharding_of(p)
                 local_of[id(p)] = local
             module._parameters[pname] = local_of[id(p)]
-        module._lnpu_local_params = {n: module._parameters[n] for n in own}  # type: ignore[attr-defined]
+        module_state(module).local_params = {n: module._parameters[n] for n in own}
         module.register_forward_pre_hook(_to_dtensor_params)
         module.register_forward_hook(_to_local_params)
     return len(local_of)
 
 
 def _to_dtensor_params(module: nn.Module, args: Any) -> None:
-    for pname, local in module._lnpu_local_params.items():
-        module._parameters[pname] = _wrap(local, getattr(local, _LOCAL))  # type: ignore[assignment]
+    for pname, local in module_state(module).local_params.items():
+        module._parameters[pname] = _wrap(local, _sharding(local))  # type: ignore[assignment]
 
 
 def _to_local_params(module: nn.Module, args: Any, output: Any) -> None:
-    module._parameters.update(module._lnpu_local_params)
+    module._parameters.update(module_state(module).local_params)
 
 
 def tensor_parallel_parameter_names(model: nn.Module) -> list[str]:
@@ -108,7 +107,7 @@ def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     localizing or FSDP2 replaces the parameter objects)."""
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        fused = getattr(p, "_lnpu_fused", None)
+        fused = getattr(tensor_state(p, create=False), "fused", None)
         if isinstance(p, DTensor) and fused is not None and fused[1] > 1:
             out[name] = (fused[0], fused[1], p.device_mesh.size())
     return out
@@ -116,11 +115,12 @@ def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
 
 def fused_layout(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """FQN -> (dim, parts, tp) of the fused projections kept rank-major (recorded when tp was applied)."""
-    return dict(getattr(model, "_lnpu_fused", None) or {})
+    state = module_state(model, create=False)
+    return dict(state.fused) if state is not None else {}
 
 
 def set_fused_layout(model: nn.Module, fused: dict[str, tuple[int, int, int]]) -> None:
-    model._lnpu_fused = fused  # type: ignore[assignment]
+    module_state(model).fused = dict(fused)
 
 
 def unfuse_full_tensors(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -176,7 +176,7 @@ def full_tensors(module: nn.Module, state: dict[str, Any], prefix: str = "") -> 
 
 def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full (rank-major) tensor shaped like `param`'s whole tensor; no communication."""
-    local = getattr(param, _LOCAL, None)
+    local = _sharding(param)
     if local is None or not isinstance(full, torch.Tensor):
         return full
     if tuple(full.shape) != tuple(local.shape):
@@ -205,7 +205,7 @@ def shard_optimizer_state(module: nn.Module, params: list[torch.Tensor], state_d
     state = {}
     for idx, entry in state_dict["state"].items():
         param = params[idx]
-        local = getattr(param, _LOCAL, None)
+        local = _sharding(param)
         if local is None:
             state[idx] = entry
             continue
@@ -217,3 +217,8 @@ def shard_optimizer_state(module: nn.Module, params: list[torch.Tensor], state_d
             converted[name] = value
         state[idx] = converted
     return {**state_dict, "state": state}
+
+
+def _sharding(t: torch.Tensor) -> Any:
+    state = tensor_state(t, create=False)
+    return state.sharding if state is not None else None

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_npu.parallel.errors import ParallelConfigError
+from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 
 # ---- module-name conventions the automatic plan recognises ---------------------------------
@@ -85,7 +86,7 @@ class Colwise(ColwiseParallel):
                 distribute_tensor(full, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad,
             )
-            dist._lnpu_fused = (dim, self.fused)  # type: ignore[attr-defined]
+            tensor_state(dist).fused = (dim, self.fused)
             module.register_parameter(pname, dist)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
