@@ -23,6 +23,7 @@ import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
 from lightning_npu.callbacks import DynamicCheckpoint
 from lightning_npu.callbacks._store import list_complete
 from lightning_npu.doctor import command as doctor_command
+from lightning_npu.extras import import_optional
 from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
 from lightning_npu.parallel.checkpoint.formats import load_checkpoint
 from lightning_npu.planner.cli import command as plan_command
@@ -76,8 +77,7 @@ def convert_checkpoint(args: list[str]) -> None:
     tensors = {k[len(opts.strip_prefix):] if opts.strip_prefix and k.startswith(opts.strip_prefix) else k:
                v.contiguous() for k, v in checkpoint["state_dict"].items()}
     if dst.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
+        save_file = import_optional("safetensors.torch", "convert-checkpoint to a .safetensors file").save_file
         info = {"source": str(src), "global_step": str(checkpoint.get("global_step", "")),
                 "layout": repr({k: v for k, v in (checkpoint.get("lightning_npu") or {}).items() if k != "hf"})}
         save_file(tensors, str(dst), metadata=info)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
+from lightning_npu.extras import import_optional
 from lightning_npu.parallel.checkpoint.formats import hf_info, load_checkpoint
 
 _PathLike = Union[str, Path]
@@ -33,8 +34,7 @@ def export_hf(src: _PathLike, dst: _PathLike) -> Path:
             "`transformers.PreTrainedModel`, saved by npu_hybrid (which records the model's config). Convert it to "
             "a state-dict file instead (leave out `--to hf`) or to a Lightning file (`--to lightning`)."
         )
-    import transformers
-
+    transformers = import_optional("transformers", "convert-checkpoint --to hf")
     cls = getattr(transformers, info["class"], None)
     # the name comes from the file: only a transformers model class is instantiated, nothing else it could name
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):

@@ -16,6 +16,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lightning_npu.extras import import_optional
+
 
 class LlamaModule(L.LightningModule):
     """Next-token pretraining of `transformers.LlamaForCausalLM` (byte vocabulary by default)."""
@@ -41,8 +43,8 @@ class LlamaModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:  # fit -> validate reuse the model
             return
-        from transformers import LlamaConfig, LlamaForCausalLM
-
+        transformers = import_optional("transformers", "examples/llama (a transformers Llama)")
+        LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
         h = self.hparams
         config = LlamaConfig(
             vocab_size=h.vocab_size,
