@@ -3,9 +3,12 @@
 Compiling against the torch that is already imported (instead of at ``pip install`` time in
 an isolated build env) is what guarantees that pip never fetches a second torch and that the
 binary matches the running ABI. The build is keyed by source hash, flags and SIMD level, so a
-cache shared between heterogeneous machines never serves a binary built for another CPU. If
-there is no compiler (or the build fails) callers get ``None`` after a one-line warning and
-use the eager fallbacks.
+cache shared between heterogeneous machines never serves a binary built for another CPU, and
+by the torch version and the install (the resolved ``csrc/`` path and the Python prefix), so two
+checkouts or venvs on one machine each keep their own build instead of rebuilding each other's:
+torch's ninja file names the sources' and headers' absolute paths, so one build directory shared
+by two installs is recompiled whenever the other one loads it. If there is no compiler (or the
+build fails) callers get ``None`` after a one-line warning and use the eager fallbacks.
 
 The cache holds shared libraries that this process loads and runs, so a cache directory that
 someone else can write to is a way to run their code in every training job: a directory
@@ -19,9 +22,11 @@ import hashlib
 import os
 import shutil
 import stat
+import sys
 import threading
 import warnings
 from pathlib import Path
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
 
@@ -111,31 +116,60 @@ def _simd_flags() -> tuple[str, list[str]]:
     return "default", []
 
 
-def _build() -> ModuleType:
-    from torch.utils import cpp_extension
+@dataclass(frozen=True)
+class BuildSpec:
+    """One build of the kernels: what it compiles, with which flags, and where it lives in the cache."""
 
-    cache = _private_cache(cache_dir())  # first: an unsafe cache is refused even where nothing can be built
-    src = csrc_dir()
-    if src is None:
-        raise RuntimeError("csrc/ not found next to the package (set LIGHTNING_NPU_CSRC)")
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
-    simd, flags = _simd_flags()
-    cflags = ["-O3", "-fopenmp", "-fno-math-errno", *flags]
+    name: str  # lightning_npu_ops_<simd>_<key>: the module name and the build directory's name
+    build_dir: Path
+    src: Path
+    cflags: tuple[str, ...]
+    simd: str
+
+    @property
+    def library(self) -> Path:
+        """The shared library a finished build leaves (what `load` imports)."""
+        return self.build_dir / f"{self.name}{'.pyd' if os.name == 'nt' else '.so'}"
+
+
+def build_key(src: Path, cflags: list[str] | tuple[str, ...]) -> str:
+    """The cache key: the sources, the flags, the torch version and the install (resolved csrc/ path, Python
+    prefix)."""
     digest = hashlib.sha1()
     for name in (*SOURCES, "common.h"):
         digest.update((src / name).read_bytes())
     digest.update(" ".join(cflags).encode())
     digest.update(torch.__version__.encode())
-    name = f"lightning_npu_ops_{simd}_{digest.hexdigest()[:10]}"
-    build_dir = _private_cache(cache / name)
+    digest.update(f"\0{src.resolve()}\0{os.path.realpath(sys.prefix)}".encode())
+    return digest.hexdigest()[:10]
+
+
+def build_spec() -> BuildSpec:
+    """The build that `load` would use here; computes names only (nothing is created or compiled)."""
+    src = csrc_dir()
+    if src is None:
+        raise RuntimeError("csrc/ not found next to the package (set LIGHTNING_NPU_CSRC)")
+    simd, flags = _simd_flags()
+    cflags = ("-O3", "-fopenmp", "-fno-math-errno", *flags)
+    name = f"lightning_npu_ops_{simd}_{build_key(src, cflags)}"
+    return BuildSpec(name=name, build_dir=cache_dir() / name, src=src, cflags=cflags, simd=simd)
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    cache = _private_cache(cache_dir())  # first: an unsafe cache is refused even where nothing can be built
+    spec = build_spec()
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
+    build_dir = _private_cache(cache / spec.name)
     return cpp_extension.load(
-        name=name,
-        sources=[str(src / s) for s in SOURCES],
-        extra_cflags=cflags,
+        name=spec.name,
+        sources=[str(spec.src / s) for s in SOURCES],
+        extra_cflags=list(spec.cflags),
         extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(src)],
+        extra_include_paths=[str(spec.src)],
         build_directory=str(build_dir),
         verbose=bool(os.environ.get("LIGHTNING_NPU_VERBOSE_BUILD")),
     )
