@@ -10,6 +10,11 @@ torch's ninja file names the sources' and headers' absolute paths, so one build 
 by two installs is recompiled whenever the other one loads it. If there is no compiler (or the
 build fails) callers get ``None`` after a one-line warning and use the eager fallbacks.
 
+A build prints one line on stderr when it starts and one when it ends, with the time it took
+(loading a build from the cache prints nothing). The processes of a job that all need the
+kernels build them once: the others wait, saying for whom. A lock left by a build that was
+killed is removed with one line instead of being waited on forever (`build_lock`).
+
 The cache holds shared libraries that this process loads and runs, so a cache directory that
 someone else can write to is a way to run their code in every training job: a directory
 (``TORCH_EXTENSIONS_DIR`` or the default under ``~/.cache``) owned by another user, or writable
@@ -24,13 +29,16 @@ import shutil
 import stat
 import sys
 import threading
+import time
 import warnings
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
 import torch
+
+from lightning_npu.ops import build_lock
 
 SOURCES = ("bindings.cpp", "gelu.cpp", "dropout.cpp", "norm.cpp", "softmax.cpp", "swiglu.cpp")
 DISABLE_ENV = "LIGHTNING_NPU_NO_EXT"  # set to 1 to force the eager fallbacks
@@ -131,6 +139,15 @@ class BuildSpec:
         """The shared library a finished build leaves (what `load` imports)."""
         return self.build_dir / f"{self.name}{'.pyd' if os.name == 'nt' else '.so'}"
 
+    @property
+    def built(self) -> bool:
+        """The library exists and is newer than every source (else loading it runs the compiler again)."""
+        try:
+            made = self.library.stat().st_mtime
+            return all((self.src / n).stat().st_mtime <= made for n in (*SOURCES, "common.h"))
+        except OSError:
+            return False
+
 
 def build_key(src: Path, cflags: list[str] | tuple[str, ...]) -> str:
     """The cache key: the sources, the flags, the torch version and the install (resolved csrc/ path, Python
@@ -155,24 +172,49 @@ def build_spec() -> BuildSpec:
     return BuildSpec(name=name, build_dir=cache_dir() / name, src=src, cflags=cflags, simd=simd)
 
 
-def _build() -> ModuleType:
+def _say(message: str) -> None:
+    """One line on stderr, where a job's log shows it next to Lightning's."""
+    print(f"lightning_npu: {message}", file=sys.stderr, flush=True)
+
+
+def _compile(spec: BuildSpec) -> ModuleType:
+    """torch's JIT build of `spec` (a no-op when its library is up to date), then the import of the library."""
     from torch.utils import cpp_extension
 
-    cache = _private_cache(cache_dir())  # first: an unsafe cache is refused even where nothing can be built
-    spec = build_spec()
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
-    build_dir = _private_cache(cache / spec.name)
     return cpp_extension.load(
         name=spec.name,
         sources=[str(spec.src / s) for s in SOURCES],
         extra_cflags=list(spec.cflags),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(spec.src)],
-        build_directory=str(build_dir),
+        build_directory=str(spec.build_dir),
         verbose=bool(os.environ.get("LIGHTNING_NPU_VERBOSE_BUILD")),
     )
+
+
+def _build() -> ModuleType:
+    cache = _private_cache(cache_dir())  # first: an unsafe cache is refused even where nothing can be built
+    spec = build_spec()
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
+    _private_cache(cache / spec.name)
+    with build_lock.held(spec.build_dir, _say):  # waits for a live build, removes a dead one's lock
+        fresh = not spec.built  # decided after waiting: the build waited on may have made it
+        if fresh:
+            _say(f"building the fused C++ kernels ({spec.simd}) in {spec.build_dir}; this takes a few minutes, once "
+                 "per install")
+        start = time.monotonic()
+        try:
+            module = _compile(spec)
+        except BaseException as err:
+            if fresh:
+                _say(f"building the fused C++ kernels failed after {time.monotonic() - start:.0f} s "
+                     f"({type(err).__name__})")
+            raise
+        if fresh:
+            _say(f"built the fused C++ kernels in {time.monotonic() - start:.0f} s: {spec.library}")
+        return module
 
 
 def load() -> Optional[ModuleType]:
