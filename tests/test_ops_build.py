@@ -208,3 +208,27 @@ def test_without_flock_the_owner_record_decides(cache, monkeypatch, capsys):
     finally:
         sleeper.kill()
         sleeper.wait(30)
+
+
+def test_build_ops_builds_ahead_of_time_and_fails_with_one_line(cache, monkeypatch, capsys):
+    from lightning_npu import cli
+
+    calls: list = []
+    monkeypatch.setattr(extension, "_compile", _fake_compile(calls))
+    cli.main(["build-ops"])
+    out, err = capsys.readouterr()
+    assert len(calls) == 1 and out.strip() == f"fused C++ kernels ready: {calls[0].library}"
+    assert "built the fused C++ kernels in" in err
+    assert extension.status().built and extension.status().loaded
+    monkeypatch.setattr(extension, "_state", {})  # built already (another process): loaded, no build lines
+    cli.main(["build-ops"])
+    out, err = capsys.readouterr()
+    assert len(calls) == 2 and out.startswith("fused C++ kernels ready") and err == ""
+
+    monkeypatch.setattr(extension, "_state", {})
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["build-ops"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.strip() == ("lightning-npu build-ops: the fused C++ kernels could not be built: no "
+                                               "C++ compiler ('no-such-compiler' not on PATH)")

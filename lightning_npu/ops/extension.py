@@ -34,7 +34,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -46,19 +46,21 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def csrc_dir() -> Optional[Path]:
+def csrc_dir(env: Optional[Mapping[str, str]] = None) -> Optional[Path]:
     """``csrc/`` of a source/editable checkout, or a copy shipped as package data."""
+    env = os.environ if env is None else env
     here = Path(__file__).resolve()
-    candidates = [os.environ.get("LIGHTNING_NPU_CSRC"), here.parents[2] / "csrc", here.parents[1] / "_csrc"]
+    candidates = [env.get("LIGHTNING_NPU_CSRC"), here.parents[2] / "csrc", here.parents[1] / "_csrc"]
     for cand in candidates:
         if cand and (Path(cand) / "bindings.cpp").is_file():
             return Path(cand)
     return None
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "lightning_npu", "ops"
+def cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
+    env = os.environ if env is None else env
+    root = env.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        env.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "lightning_npu", "ops"
     )
     return Path(root)
 
@@ -161,15 +163,16 @@ def build_key(src: Path, cflags: list[str] | tuple[str, ...]) -> str:
     return digest.hexdigest()[:10]
 
 
-def build_spec() -> BuildSpec:
-    """The build that `load` would use here; computes names only (nothing is created or compiled)."""
-    src = csrc_dir()
+def build_spec(env: Optional[Mapping[str, str]] = None) -> BuildSpec:
+    """The build that `load` would use here (`env`: the environment, default os.environ); computes names only
+    (nothing is created or compiled)."""
+    src = csrc_dir(env)
     if src is None:
         raise RuntimeError("csrc/ not found next to the package (set LIGHTNING_NPU_CSRC)")
     simd, flags = _simd_flags()
     cflags = ("-O3", "-fopenmp", "-fno-math-errno", *flags)
     name = f"lightning_npu_ops_{simd}_{build_key(src, cflags)}"
-    return BuildSpec(name=name, build_dir=cache_dir() / name, src=src, cflags=cflags, simd=simd)
+    return BuildSpec(name=name, build_dir=cache_dir(env) / name, src=src, cflags=cflags, simd=simd)
 
 
 def _say(message: str) -> None:
@@ -203,7 +206,7 @@ def _build() -> ModuleType:
         fresh = not spec.built  # decided after waiting: the build waited on may have made it
         if fresh:
             _say(f"building the fused C++ kernels ({spec.simd}) in {spec.build_dir}; this takes a few minutes, once "
-                 "per install")
+                 "per install (`lightning-npu build-ops` builds them ahead of time)")
         start = time.monotonic()
         try:
             module = _compile(spec)
@@ -238,6 +241,63 @@ def load() -> Optional[ModuleType]:
                 )
         _state["module"] = module
         return module
+
+
+def build() -> Path:
+    """Build the kernels now (or load them from the cache) and return the library's path; raises what stopped the
+    build (`lightning-npu build-ops`). Unlike `load`, nothing is silently replaced by the eager fallbacks."""
+    with _lock:
+        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+            raise RuntimeError(f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]} (unset it to build)")
+        if _state.get("module") is None:
+            _state["module"] = _build()
+            _state.pop("error", None)
+        return build_spec().library
+
+
+@dataclass(frozen=True)
+class Status:
+    """What `load` would find here (`status`)."""
+
+    spec: Optional[BuildSpec]  # None: no csrc/ to build from
+    loaded: bool  # this process has imported the kernels
+    built: bool  # an up-to-date build for this torch, CPU, sources and install is in the cache
+    problem: Optional[str]  # why no build can run here (disabled, no csrc/, no compiler); None: one can
+    error: Optional[str]  # why a build in this process failed
+    lock: build_lock.LockState  # a build in progress, or a dead build's lock that the next build removes
+    others: tuple[str, ...]  # the cache's other builds: other torch versions, sources, flags or installs
+
+
+def status(env: Optional[Mapping[str, str]] = None) -> Status:
+    """Whether the kernels are built for this torch, CPU, sources and install, and whether they could be built,
+    found without building, creating or importing anything (`lightning-npu doctor`). Raises `UnsafeCacheError`
+    for a cache directory that others can write to, as `load` does."""
+    env = os.environ if env is None else env
+    cache = cache_dir(env)
+    if cache.exists():
+        check_private_dir(cache)
+    problem = f"disabled by {DISABLE_ENV}={env[DISABLE_ENV]}" if env.get(DISABLE_ENV, "") not in ("", "0") else None
+    cxx = env.get("CXX", "c++")
+    if problem is None and shutil.which(cxx, path=env.get("PATH")) is None:
+        problem = f"no C++ compiler ({cxx!r} not on PATH)"
+    try:
+        spec: Optional[BuildSpec] = build_spec(env)
+    except RuntimeError as err:
+        spec, problem = None, problem or str(err)
+    others = tuple(sorted(
+        d.name for d in (cache.glob("lightning_npu_ops_*") if cache.is_dir() else ())
+        if (spec is None or d.name != spec.name) and (d / f"{d.name}.so").is_file()
+    ))
+    has_dir = spec is not None and spec.build_dir.is_dir()
+    return Status(
+        spec=spec,
+        loaded=_state.get("module") is not None,
+        built=spec is not None and spec.built,
+        problem=problem,
+        error=_state.get("error"),  # type: ignore[arg-type]
+        lock=build_lock.inspect(spec.build_dir) if has_dir else build_lock.LockState(),
+        others=others,
+    )
 
 
 def available() -> bool:
