@@ -195,7 +195,7 @@ def _compile(spec: BuildSpec) -> ModuleType:
     )
 
 
-def _build() -> ModuleType:
+def _build(hint: bool = True) -> ModuleType:
     cache = _private_cache(cache_dir())  # first: an unsafe cache is refused even where nothing can be built
     spec = build_spec()
     cxx = os.environ.get("CXX", "c++")
@@ -206,7 +206,7 @@ def _build() -> ModuleType:
         fresh = not spec.built  # decided after waiting: the build waited on may have made it
         if fresh:
             _say(f"building the fused C++ kernels ({spec.simd}) in {spec.build_dir}; this takes a few minutes, once "
-                 "per install (`lightning-npu build-ops` builds them ahead of time)")
+                 "per install" + (" (`lightning-npu build-ops` builds them ahead of time)" if hint else ""))
         start = time.monotonic()
         try:
             module = _compile(spec)
@@ -250,7 +250,7 @@ def build() -> Path:
         if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
             raise RuntimeError(f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]} (unset it to build)")
         if _state.get("module") is None:
-            _state["module"] = _build()
+            _state["module"] = _build(hint=False)  # already ahead of time: no hint to run build-ops
             _state.pop("error", None)
         return build_spec().library
 
