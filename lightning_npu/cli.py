@@ -1,7 +1,8 @@
 """`lightning-npu` command line, built on LightningCLI.
 
 ``fit|validate|test|predict`` are LightningCLI's own subcommands with the ``npu_hybrid``
-strategy registered; ``convert-checkpoint`` is ours (listed in ``--help`` with them). The current
+strategy registered; ``convert-checkpoint``, ``plan``, ``doctor`` and ``build-ops`` are ours (listed in
+``--help`` with them). The current
 directory is importable (as with ``python -m``) so that a config's ``class_path`` can name modules
 of the user's project, e.g. ``examples.gpt.model.GPTModule``.
 
@@ -25,6 +26,7 @@ from lightning_npu.callbacks._store import list_complete
 from lightning_npu.doctor import command as doctor_command
 from lightning_npu.extras import import_optional
 from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
+from lightning_npu.ops import extension
 from lightning_npu.parallel.checkpoint.formats import load_checkpoint
 from lightning_npu.planner.cli import command as plan_command
 
@@ -86,6 +88,26 @@ def convert_checkpoint(args: list[str]) -> None:
     print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {dst}")
 
 
+def build_ops(args: list[str]) -> None:
+    """`lightning-npu build-ops`: build the fused C++ kernels into the cache now, so that no training job compiles."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} build-ops",
+        description="Build the fused C++ CPU kernels (fuse_ops=True) for this torch, CPU and install into the cache "
+        f"({extension.cache_dir()}; TORCH_EXTENSIONS_DIR moves it) now, so that no training job compiles them. A build "
+        "that is already there is only loaded; one running in another process is waited for; a stale lock left by "
+        "a killed build is removed. LIGHTNING_NPU_VERBOSE_BUILD=1 shows the compiler's output.",
+    )
+    parser.parse_args(args)
+    try:
+        library = extension.build()
+    except Exception as err:  # no compiler, no csrc/, a compile error, an unsafe cache directory
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        parser.exit(1, f"{PROG} build-ops: the fused C++ kernels could not be built: {first}\n")
+    print(f"fused C++ kernels ready: {library}")
+
+
 # Commands that are not LightningCLI's: name -> (function of the remaining args, one-line help).
 # They run before LightningCLI parses anything, and are listed in `lightning-npu --help`.
 COMMANDS: dict[str, tuple[Callable[[list[str]], Any], str]] = {
@@ -95,7 +117,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], Any], str]] = {
         "file or a transformers folder (SRC DST [--to state_dict|lightning|hf]; see its --help).",
     ),
     "plan": (plan_command, "Rank parallel layouts of a model on a cluster by estimated memory and tokens/s (see --help)."),
-    "doctor": (doctor_command, "Check that this machine is ready to train: versions, devices, backends, HCCL (--json)."),
+    "doctor": (doctor_command, "Check that this machine is ready to train: versions, devices, backends, HCCL, the "
+               "fused kernels' build (--json; compiles nothing unless --build)."),
+    "build-ops": (build_ops, "Build the fused C++ CPU kernels into the cache now, so that no training job compiles "
+                  "them (see --help)."),
 }
 
 # `--trainer.strategy.help npu_hybrid`: jsonargparse wants a class path; registered names map to their class.

@@ -4,8 +4,11 @@ It reports the versions (Python, torch, lightning, torch_npu, the CANN toolkit, 
 through ``npu-smi``, the CUDA driver through ``nvidia-smi``) and checks: torch against torch_npu, the devices
 (visible to torch, memory, temperature: warn at 85 C), the collective backend (a 1-process group does an
 all-reduce), the ``HCCL_*`` environment (known variables with sane values; unknown ones flagged), RoCE links
-through ``hccn_tool``, the C++ compiler and the fused-ops extension (built or loaded from its cache), and free
-memory. Hard failures exit 1. A machine without an accelerator is fine: it exits 0 and says that lightning-npu
+through ``hccn_tool``, the C++ compiler and the fused-ops kernels, and free memory. Hard failures exit 1.
+
+The doctor never compiles: it says whether the kernels are built for this torch, CPU and install, whether they could
+be built here, and whether a build is running or left a stale lock, as DeepSpeed's ``ds_report`` does. ``--build``
+builds them first (as ``lightning-npu build-ops`` does). A machine without an accelerator is fine: it exits 0 and says that lightning-npu
 will train on CPU. Device facts come from `lightning_npu.device`; ``torch_npu`` is only imported there, lazily.
 """
 
@@ -382,28 +385,58 @@ def _rdma(env: Mapping[str, str], facts: dict[str, Any]) -> list[Check]:
     return out
 
 
-def _fused_ops(env: Mapping[str, str]) -> list[Check]:
+def _fused_ops(env: Mapping[str, str], build: bool = False) -> list[Check]:
+    """The compiler and the kernels' build state, from `extension.status` (nothing is compiled unless `build`)."""
     cxx = env.get("CXX", "c++")
     found = shutil.which(cxx, path=env.get("PATH"))
     out = [Check("fused ops", "C++ compiler", OK if found else WARN, found or f"{cxx!r} not on PATH",
                  "" if found else "install g++ (e.g. apt-get install g++) for the fused CPU kernels; "
                  "without it fuse_ops=True uses eager fallbacks")]
-    import warnings
-
+    failed = None
+    if build:
+        try:
+            extension.build()  # prints its own start and end lines
+        except extension.UnsafeCacheError:
+            pass  # reported below, from the status
+        except Exception as err:
+            failed = (str(err).strip().splitlines() or [type(err).__name__])[0]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = extension.load()
+        st = extension.status(env)
     except extension.UnsafeCacheError as err:
         out.append(Check("fused ops", "extension", FAIL, str(err).splitlines()[0],
-                         f"chmod go-w {extension.cache_dir()} (or set TORCH_EXTENSIONS_DIR to a private directory)"))
+                         f"chmod go-w {extension.cache_dir(env)} (or set TORCH_EXTENSIONS_DIR to a private directory)"))
         return out
-    if module is not None:
-        out.append(Check("fused ops", "extension", OK, f"loaded ({extension.cache_dir()})"))
-    else:
-        out.append(Check("fused ops", "extension", WARN, f"not available: {extension.load_error()}",
-                         "fuse_ops=True will use eager fallbacks; see the message for what is missing"))
+    out.append(_kernels_check(st, failed))
+    if st.lock.in_progress:
+        who = st.lock.building.describe() if st.lock.building else "an unrecorded process"
+        out.append(Check("fused ops", "build lock", INFO, f"a build is running ({who}): fuse_ops=True waits for it"))
+    elif st.lock.stale:
+        out.append(Check("fused ops", "build lock", WARN, f"stale lock in {st.spec.build_dir} ({st.lock.stale})",
+                         "nothing to do: the next build removes it (lightning-npu build-ops)"))
     return out
+
+
+def _kernels_check(st: extension.Status, failed: Optional[str]) -> Check:
+    import torch
+
+    others = (f"; {len(st.others)} other build(s) in the cache are for other torch versions, sources, flags or "
+              "installs" if st.others else "")
+    if st.spec is not None and (st.loaded or st.built):
+        return Check("fused ops", "extension", OK, f"built for torch {torch.__version__}, {st.spec.simd}, this "
+                     f"install{' (loaded)' if st.loaded else ''}: {st.spec.library}")
+    if failed or st.error:
+        return Check("fused ops", "extension", WARN, f"the build failed: {failed or st.error}",
+                     "fuse_ops=True uses eager fallbacks; LIGHTNING_NPU_VERBOSE_BUILD=1 lightning-npu build-ops shows "
+                     "the compiler's output")
+    if st.problem and st.problem.startswith("disabled"):
+        return Check("fused ops", "extension", INFO, f"{st.problem}: fuse_ops=True uses eager fallbacks")
+    if st.problem:
+        return Check("fused ops", "extension", WARN, f"not built, and cannot be built here: {st.problem}",
+                     "fuse_ops=True uses eager fallbacks; see the other fused-ops lines for what is missing")
+    return Check("fused ops", "extension", INFO,
+                 f"not built yet for torch {torch.__version__}, {st.spec.simd}, this install ({st.spec.build_dir}): "
+                 f"the first fuse_ops=True run compiles it (a few minutes); `lightning-npu build-ops` (or `doctor "
+                 f"--build`) builds it now{others}")
 
 
 def _host_memory() -> Check:
@@ -418,9 +451,10 @@ def _host_memory() -> Check:
                  "less than 4 GB free: close other jobs or lower the batch size / workers" if low else "")
 
 
-def collect(env: Optional[Mapping[str, str]] = None, skip: tuple[str, ...] = ()) -> tuple[list[Check], dict[str, Any]]:
+def collect(env: Optional[Mapping[str, str]] = None, skip: tuple[str, ...] = (),
+            build: bool = False) -> tuple[list[Check], dict[str, Any]]:
     """Every check, in report order, and the facts found. `skip` names sections not to run ("backend",
-    "fused ops")."""
+    "fused ops"); `build` builds the fused kernels first (never otherwise)."""
     env = dict(os.environ if env is None else env)
     checks, facts = _versions(env)
     checks += _npu_tools(env, facts)
@@ -431,7 +465,7 @@ def collect(env: Optional[Mapping[str, str]] = None, skip: tuple[str, ...] = ())
     checks += check_hccl_env(env)
     checks += _rdma(env, facts)
     if "fused ops" not in skip:
-        checks += _fused_ops(env)
+        checks += _fused_ops(env, build=build)
     checks.append(_host_memory())
     return checks, facts
 
@@ -454,8 +488,10 @@ def render(checks: list[Check], facts: dict[str, Any]) -> str:
 def main(args: Optional[list[str]] = None, env: Optional[Mapping[str, str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="the same report as JSON")
+    parser.add_argument("--build", action="store_true",
+                        help="build the fused C++ kernels first, if they are not built (without it nothing is compiled)")
     opts = parser.parse_args(args)
-    checks, facts = collect(env)
+    checks, facts = collect(env, build=opts.build)
     failed = any(c.status == FAIL for c in checks)
     if opts.json:
         print(json.dumps({"ready": not failed, "accelerator": facts.get("accelerator"), "facts": facts,

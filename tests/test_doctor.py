@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from lightning_npu import doctor
+from lightning_npu.ops import build_lock, extension
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,14 +56,13 @@ def _by_name(checks):
 
 
 def test_this_machine_trains_on_cpu_and_exits_0(tmp_path, monkeypatch, capsys):
-    env = _env(tmp_path, PYTHONPATH=str(ROOT), LIGHTNING_NPU_NO_EXT="1")  # no build here: see the fused-ops test
+    env = _env(tmp_path, PYTHONPATH=str(ROOT), LIGHTNING_NPU_NO_EXT="1")  # the fused-ops lines: tested below
     cmd = [sys.executable, "-m", "lightning_npu.cli", "doctor"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no accelerator: lightning-npu will train on CPU" in proc.stdout
     assert "ready: lightning-npu will train on CPU." in proc.stdout
     assert " ok  backend: gloo " in proc.stdout  # the 1-process gloo group did its all-reduce
-    monkeypatch.setattr(doctor, "_fused_ops", lambda env: [])  # tested on its own below (a build can take minutes)
     code = doctor.main(["--json"], env=env)
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["ready"] and report["accelerator"] == "cpu"
@@ -103,7 +106,6 @@ def test_npu_branch_with_faked_tools(tmp_path, monkeypatch):
     assert got["rdma: roce 1"].status == "warn" and "hccn_tool -i 1 -link -g" in got["rdma: roce 1"].fix
     text = doctor.render(checks, facts)
     assert "FAIL" in text and "not ready" in text and "fixes:" in text
-    monkeypatch.setattr(doctor, "_fused_ops", lambda env: [])  # tested on its own below (a build can take minutes)
     assert doctor.main([], env=env) == 1  # hard failure -> non-zero (this run includes the gloo backend check)
 
 
@@ -130,19 +132,90 @@ def test_npu_without_toolkit_and_cuda_branch(tmp_path):
     assert got["devices: torch devices"].status == "fail" and "CUDA build of torch" in got["devices: torch devices"].fix
 
 
-def test_compatibility_table_and_fused_ops(monkeypatch, tmp_path):
+
+
+
+def _no_build(*args, **kwargs):
+    raise AssertionError("the doctor started a build")
+
+
+def test_doctor_never_builds_and_reports_the_build_state(tmp_path, monkeypatch, capsys):
+    for name in ("build", "load", "_build", "_compile"):
+        monkeypatch.setattr(extension, name, _no_build)
+    monkeypatch.setattr(extension, "_state", {})
+    cache = tmp_path / "cache"
+    env = _env(tmp_path, TORCH_EXTENSIONS_DIR=str(cache))
+    env.pop(extension.DISABLE_ENV, None)
+    spec = extension.build_spec(env)
+
+    def fused(env):
+        return _by_name(doctor._fused_ops(env))
+
+    got = fused(env)  # not built: said, with the command that builds; nothing created
+    assert got["fused ops: extension"].status == "info" and "not built yet" in got["fused ops: extension"].detail
+    assert "lightning-npu build-ops" in got["fused ops: extension"].detail and not cache.exists()
+    no_cxx = fused({**env, "CXX": "no-such-compiler"})
+    assert no_cxx["fused ops: C++ compiler"].status == "warn" and "install g++" in no_cxx["fused ops: C++ compiler"].fix
+    assert no_cxx["fused ops: extension"].status == "warn" and "cannot be built here" in no_cxx["fused ops: extension"].detail
+    disabled = fused({**env, extension.DISABLE_ENV: "1"})["fused ops: extension"]
+    assert disabled.status == "info" and "disabled by LIGHTNING_NPU_NO_EXT" in disabled.detail
+
+    extension._private_cache(spec.build_dir)  # a build that was killed: torch's lock and a dead owner
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    (spec.build_dir / build_lock.TORCH_LOCK).touch()
+    (spec.build_dir / build_lock.OWNER).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                                               "started": time.time() - 300}))
+    lock = fused(env)["fused ops: build lock"]
+    assert lock.status == "warn" and f"pid {dead.pid}" in lock.detail and "next build removes it" in lock.fix
+    assert (spec.build_dir / build_lock.TORCH_LOCK).exists()  # reported, not touched
+
+    fd = os.open(spec.build_dir / build_lock.OWNER, os.O_RDWR)  # a build running now (this process holds it)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        build_lock._record(fd)
+        lock = fused(env)["fused ops: build lock"]
+        assert lock.status == "info" and f"pid {os.getpid()}" in lock.detail and "waits for it" in lock.detail
+    finally:
+        os.close(fd)
+    (spec.build_dir / build_lock.TORCH_LOCK).unlink()
+
+    spec.library.write_bytes(b"")  # built for this torch, CPU and install
+    got = fused(env)
+    assert got["fused ops: extension"].status == "ok" and str(spec.library) in got["fused ops: extension"].detail
+    assert "fused ops: build lock" not in got
+    code = doctor.main(["--json"], env=env)  # the whole report, still without a build
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and any(c["name"] == "extension" and c["status"] == "ok" for c in report["checks"])
+
+    cache.chmod(0o777)  # a cache others can write to is a hard failure, found without building
+    unsafe = fused(env)["fused ops: extension"]
+    assert unsafe.status == "fail" and "chmod go-w" in unsafe.fix
+    cache.chmod(0o700)
+
+
+def test_doctor_build_builds_first(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    monkeypatch.delenv(extension.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(extension, "_state", {})
+    calls = []
+
+    def fake_compile(spec):
+        calls.append(spec)
+        spec.library.write_bytes(b"")
+        return object()
+
+    monkeypatch.setattr(extension, "_compile", fake_compile)
+    monkeypatch.setattr(doctor, "_backend", lambda facts: doctor.Check("backend", "gloo", "ok", "skipped here"))
+    assert doctor.main(["--build"], env=_env(tmp_path, TORCH_EXTENSIONS_DIR=str(cache))) == 0
+    out, err = capsys.readouterr()
+    assert len(calls) == 1 and "built the fused C++ kernels in" in err
+    assert "fused ops: extension" in out and "(loaded)" in out and str(calls[0].library) in out
+
+
+def test_compatibility_table():
     assert doctor.torch_npu_compatibility("2.1.0+cpu", "2.1.0.post8").status == "ok"
     bad = doctor.torch_npu_compatibility("2.4.0", "2.1.0.post3")
     assert bad.status == "fail" and "built for torch 2.1.0" in bad.detail and "pip install" in bad.fix
     assert doctor.torch_npu_compatibility("2.4.0", None).status == "info"
-
-    from lightning_npu.ops import extension
-
-    env = _env(tmp_path, CXX="no-such-compiler")
-    monkeypatch.setattr(extension, "load", lambda: None)
-    monkeypatch.setattr(extension, "load_error", lambda: "no C++ compiler ('no-such-compiler' not on PATH)")
-    got = _by_name(doctor._fused_ops(env))
-    assert got["fused ops: C++ compiler"].status == "warn" and "install g++" in got["fused ops: C++ compiler"].fix
-    assert got["fused ops: extension"].status == "warn"
-    monkeypatch.setattr(extension, "load", lambda: object())
-    assert _by_name(doctor._fused_ops(_env(tmp_path)))["fused ops: extension"].status == "ok"
