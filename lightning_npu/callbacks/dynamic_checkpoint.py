@@ -24,7 +24,7 @@ from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._async_io import TrackedAsyncCheckpointIO
 from lightning_npu.callbacks._dist import broadcast
 from lightning_npu.callbacks._saver import AtomicSaver
-from lightning_npu.callbacks._validate import check_bool, check_int, check_numbers, check_path
+from lightning_npu.validate import check_bool, check_int, check_numbers, check_path
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,15 @@ class DynamicCheckpoint(Checkpoint):
         async_save: bool = False,
         checksum: bool = False,
     ) -> None:
-        phase_fractions = check_numbers("DynamicCheckpoint", "phase_fractions", phase_fractions, "(0.1, 0.8)")
-        intervals = check_numbers("DynamicCheckpoint", "intervals", intervals, "(500, 2000, 5000)")
+        o = "DynamicCheckpoint"
+        phase_fractions = check_numbers("phase_fractions", phase_fractions, example="(0.1, 0.8)", owner=o)
+        intervals = check_numbers("intervals", intervals, example="(500, 2000, 5000)", owner=o)
         _validate_schedule(phase_fractions, intervals)
-        check_int("DynamicCheckpoint", "keep_last_k", keep_last_k, 1, 3, allow_none=True)
-        dirpath = check_path("DynamicCheckpoint", "dirpath", dirpath)
+        check_int("keep_last_k", keep_last_k, minimum=1, example=3, allow_none=True, owner=o)
+        dirpath = check_path("dirpath", dirpath, owner=o)
         for flag, value in (("save_on_train_end", save_on_train_end), ("async_save", async_save),
                             ("checksum", checksum)):
-            check_bool("DynamicCheckpoint", flag, value)
+            check_bool(flag, value, owner=o)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.phase_fractions = tuple(float(f) for f in phase_fractions)
         self.intervals = tuple(intervals)

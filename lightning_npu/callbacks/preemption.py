@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._saver import AtomicSaver
-from lightning_npu.callbacks._validate import check_path
 from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
+from lightning_npu.validate import check_path
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PreemptionCheckpoint(Callback):
         self.signals = list(dict.fromkeys(_signal(s) for s in signals))
         if not self.signals:
             raise ValueError("PreemptionCheckpoint(signals=[]): give at least one signal, e.g. ('SIGTERM',).")
-        dirpath = check_path("PreemptionCheckpoint", "dirpath", dirpath)
+        dirpath = check_path("dirpath", dirpath, owner="PreemptionCheckpoint")
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.received: Optional[int] = None
         self.saved_path: Optional[Path] = None

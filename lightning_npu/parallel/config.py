@@ -6,7 +6,6 @@ a hang; found here it costs a traceback that names the argument, the value and t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -14,6 +13,7 @@ from typing import Any, Optional, Union
 from lightning_npu.ops.verdicts import PATTERNS
 from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
 from lightning_npu.parallel.errors import CompressionConfigError, ParallelConfigError
+from lightning_npu.validate import check_bool, check_choice, check_int, check_number
 
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -51,11 +51,6 @@ def _check_tp_plan_dict(tp_plan: dict) -> None:
             )
 
 
-def _flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ParallelConfigError(f"`{name}={value!r}` must be True or False.")
-
-
 def _check_fuse_ops(value: Any) -> None:
     """True (the device's measured table), False, "all", or a list of pattern names (to measure them)."""
     if isinstance(value, bool) or value == "all":
@@ -88,12 +83,6 @@ def _check_backend(value: Any) -> None:
             )
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParallelConfigError(f"`{name}={value!r}` must be a positive integer (e.g. `{name}=2`).")
-    return value
-
-
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -120,21 +109,18 @@ class ParallelConfig:
 
     # ---- checks that need no world size -------------------------------------------------
     def validate(self) -> None:
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, example=2, error=ParallelConfigError)
+        check_int("pipeline_parallel_size", self.pipeline_parallel_size, example=2, error=ParallelConfigError)
         if self.data_parallel_size != "auto":
-            _positive_int("data_parallel_size", self.data_parallel_size)
+            check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
         if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
             raise ParallelConfigError(
                 f"`zero_stage={self.zero_stage!r}` is not a ZeRO stage; use 0 (replicate), 1 (shard optimizer "
                 "state), 2 (+ gradients) or 3 (+ parameters)."
             )
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ParallelConfigError(
-                f"`pipeline_schedule={self.pipeline_schedule!r}` is unknown; choose one of {list(PIPELINE_SCHEDULES)}."
-            )
+        check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES, error=ParallelConfigError)
         if self.micro_batches is not None:
-            _positive_int("micro_batches", self.micro_batches)
+            check_int("micro_batches", self.micro_batches, example=2, error=ParallelConfigError)
             if self.pipeline_parallel_size > 1 and self.pipeline_schedule != "gpipe":
                 if self.micro_batches < self.pipeline_parallel_size:
                     raise ParallelConfigError(
@@ -149,7 +135,7 @@ class ParallelConfig:
             )
         if isinstance(self.tp_plan, dict):
             _check_tp_plan_dict(self.tp_plan)
-        _flag("sequence_parallel", self.sequence_parallel)
+        check_bool("sequence_parallel", self.sequence_parallel, error=ParallelConfigError)
         _check_fuse_ops(self.fuse_ops)
         if self.sequence_parallel and (self.tensor_parallel_size == 1 or self.tp_plan is None):
             raise ParallelConfigError(
@@ -165,11 +151,8 @@ class ParallelConfig:
                 "budget)."
             )
         budget = self.memory_budget_gb
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not (math.isfinite(budget) and budget > 0)):
-            raise ParallelConfigError(
-                f"`memory_budget_gb={budget!r}` must be a positive number of GB (10**9 bytes) per rank, or None for "
-                "the device's free memory.")
+        check_number("memory_budget_gb", budget, above=0, allow_none=True, example=60, error=ParallelConfigError,
+                     what="a positive number of GB (10**9 bytes) per rank, or None for the device's free memory")
         if budget is not None and ac != "auto":
             raise ParallelConfigError(
                 f"`memory_budget_gb={budget!r}` is read only by activation_checkpointing='auto' "
@@ -179,12 +162,8 @@ class ParallelConfig:
                 "`activation_checkpointing='auto'` measures one ordinary forward, which a pipeline schedule does not "
                 f"run (pipeline_parallel_size={self.pipeline_parallel_size}); choose an int N, 'full' or 'selective'.")
         self._check_compression()
-        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (
-            math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0
-        ):
-            raise ParallelConfigError(
-                f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive, finite number of MiB, e.g. 25.0."
-            )
+        check_number("bucket_size_mb", self.bucket_size_mb, above=0, example=25.0, error=ParallelConfigError,
+                     what="a positive, finite number of MiB")
         h = self.hierarchical_allreduce
         if not (isinstance(h, bool) or (isinstance(h, str) and h == "auto")):  # 1 == True: compare types too
             raise ParallelConfigError(
@@ -213,13 +192,10 @@ class ParallelConfig:
     ) -> None:
         """The strategy's launch, DDP and checkpoint options, which are not part of the layout but fail as late as it
         does."""
-        if start_method not in START_METHODS:
-            raise ParallelConfigError(
-                f"`start_method={start_method!r}` is unknown; choose one of {list(START_METHODS)}."
-            )
-        _flag("find_unused_parameters", find_unused_parameters)
-        _flag("static_graph", static_graph)
-        _flag("async_save", async_save)
+        check_choice("start_method", start_method, START_METHODS, error=ParallelConfigError)
+        check_bool("find_unused_parameters", find_unused_parameters, error=ParallelConfigError)
+        check_bool("static_graph", static_graph, error=ParallelConfigError)
+        check_bool("async_save", async_save, error=ParallelConfigError)
         sdc = save_distributed_checkpoint
         if not (sdc is None or isinstance(sdc, bool) or (isinstance(sdc, str) and sdc == "auto")):
             raise ParallelConfigError(
