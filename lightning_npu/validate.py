@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 
@@ -151,3 +152,23 @@ def check_numbers(name: str, value: Any, *, example: Any, owner: Optional[str] =
     if not (isinstance(value, (list, tuple)) and all(is_number(v) for v in value)):
         _raise(TypeError, error, message(name, value, "a tuple or list of numbers", example, owner))
     return tuple(value)
+
+
+def check_writable_dir(name: str, value: Any, *, owner: Optional[str] = None,
+                       error: Optional[type] = None) -> Path:
+    """Create directory `value` if it is missing and check that this process may write there.
+
+    Called at setup, so that a checkpoint directory nobody can write is found when the run starts, not when
+    the first save (or the preemption notice) comes.
+    """
+    path = Path(value)
+    who = f"{owner}({name}={os.fspath(value)!r})" if owner else f"`{name}={os.fspath(value)!r}`"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a parent is a file, a read-only file system, no permission
+        _raise(type(err), error, f"{who}: cannot create this directory ({err.strerror or err}); give a directory "
+                                 f"this process can write, e.g. {name}='checkpoints/'.")
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        _raise(PermissionError, error, f"{who}: this process cannot write in this directory; give one it can "
+                                       f"write, e.g. {name}='checkpoints/'.")
+    return path
