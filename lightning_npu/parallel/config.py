@@ -2,13 +2,23 @@
 
 A bad layout found after `init_process_group` costs the user a cluster allocation and often
 a hang; found here it costs a traceback that names the argument, the value and the fix.
+
+An argument that only means something in another layout is never dropped silently. Pipeline and
+tensor-parallel tuning (`micro_batches`, `pipeline_schedule`, a `tp_plan` dict) at pp = 1 or tp = 1 is
+warned about once and ignored: a config that switches the layout from the command line keeps them, and
+the run is the one asked for otherwise. `sequence_parallel=True` at tp = 1 is refused: it is asked for
+to save activation memory, which that run would not save.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_npu.ops.verdicts import PATTERNS
 from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
@@ -83,6 +93,14 @@ def _check_backend(value: Any) -> None:
             )
 
 
+def _user_frame() -> int:
+    """`warnings.warn`'s stacklevel of the first caller outside this package, so a warning names the user's line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("lightning_npu."):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -142,6 +160,7 @@ class ParallelConfig:
                 "`sequence_parallel=True` shards activations over the tensor-parallel group: it needs "
                 "`tensor_parallel_size>1` and a tp_plan; set sequence_parallel=False or raise tensor_parallel_size."
             )
+        self._warn_other_layouts()
         ac = self.activation_checkpointing
         if not (ac is None or ac in ("full", "selective", "auto")
                 or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
@@ -181,6 +200,22 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
             )
+
+    def _warn_other_layouts(self) -> None:
+        """Warn (once, on rank 0) about arguments that the chosen layout ignores; see the module doc."""
+        unused = []
+        if self.pipeline_parallel_size == 1:
+            if self.micro_batches is not None:
+                unused.append((f"micro_batches={self.micro_batches!r}", "pipeline_parallel_size",
+                               f"; for gradient accumulation use Trainer(accumulate_grad_batches={self.micro_batches})"))
+            if self.pipeline_schedule != "1f1b":
+                unused.append((f"pipeline_schedule={self.pipeline_schedule!r}", "pipeline_parallel_size", ""))
+        if self.tensor_parallel_size == 1 and isinstance(self.tp_plan, dict):
+            unused.append((f"tp_plan={self.tp_plan!r}", "tensor_parallel_size", ""))
+        for arg, size, hint in unused:
+            if rank_zero_only.rank == 0:  # each process of a launch builds the strategy
+                warnings.warn(f"`{arg}` only applies with `{size}>1`; at `{size}=1` it is ignored. Set {size} to 2 "
+                              f"or more, or drop {arg.split('=')[0]}{hint}.", UserWarning, stacklevel=_user_frame())
 
     @staticmethod
     def check_strategy_options(
