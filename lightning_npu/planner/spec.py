@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_npu.config_file import ConfigFileError, read_config
 from lightning_npu.validate import check_choice, check_number
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -221,14 +222,15 @@ _EXAMPLE_DEFAULTS = {
 def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
     """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
     ``batch_size`` x devices give seq and global batch unless `overrides` set them)."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise PlannerError(
             f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml."
         )
-    config = yaml.safe_load(path.read_text()) or {}
+    try:
+        config = read_config(path)
+    except ConfigFileError as err:
+        raise PlannerError(f"--model {err}") from None
     model = config.get("model") or {}
     if not isinstance(model, dict):
         raise PlannerError(f"{path}: `model:` must be a mapping with class_path and init_args.")
