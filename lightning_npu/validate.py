@@ -48,8 +48,9 @@ def is_number(value: Any) -> bool:
 
 
 def check_bool(name: str, value: Any, *, owner: Optional[str] = None, error: Optional[type] = None) -> bool:
+    """True or False; ``1``, ``"yes"`` and None are refused (a string is always truthy)."""
     if not isinstance(value, bool):
-        _raise(TypeError, error, message(name, value, "True or False", owner=owner))
+        _raise(TypeError, error, message(name, value, "True or False", True, owner))
     return value
 
 

@@ -46,7 +46,7 @@ def _range(arg: str, value: Any) -> Optional[tuple[float, float]]:
         raise ValueError(f"{_OWNER}({arg}={value!r}): pass (low, high), e.g. (1e-3, 10.0), or None to disable.")
     low, high = (float(v) for v in value)
     if not low < high:
-        raise ValueError(f"{_OWNER}({arg}={value!r}): low must be below high.")
+        raise ValueError(f"{_OWNER}({arg}={value!r}): low must be below high, e.g. {arg}=({high}, {low}).")
     return low, high
 
 

@@ -48,7 +48,8 @@ def _signal(name: Any) -> signal.Signals:
             sig = signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
     except (KeyError, ValueError, TypeError):
         raise ValueError(
-            f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal; use names such as 'SIGTERM', 'SIGUSR1'."
+            f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal; use names, numbers or signal.Signals, "
+            "e.g. signals=('SIGTERM', 'SIGUSR1')."
         ) from None
     if sig.name in _REFUSED:
         raise ValueError(
