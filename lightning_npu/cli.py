@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
 from lightning_npu.callbacks import DynamicCheckpoint
 from lightning_npu.callbacks._store import list_complete
+from lightning_npu.config_file import ConfigFileError, config_paths, explain, read_config
 from lightning_npu.doctor import command as doctor_command
 from lightning_npu.extras import import_optional
 from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
@@ -243,7 +245,33 @@ class NPUCLI(LightningCLI):
         # way the arguments come from one place, so Lightning's "both args and command line" warning has no case.
         args = list(sys.argv[1:] if args is None else args)
         self._argv = args
-        self.config = parser.parse_args(_alias_registered_names(args))
+        paths = config_paths(args)
+        try:
+            for path in paths:  # bad YAML, an empty file, a list: named before jsonargparse tries them
+                read_config(path)
+            self.config = parser.parse_args(_alias_registered_names(args))
+        except ConfigFileError as err:
+            self._refuse(str(err))
+        except ArgumentError as err:  # the parsers are built with exit_on_error=False (see `_lightning_cli`)
+            self._refuse(explain(str(err), paths, self._command(), args))
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            # a constructor that refused its arguments reaches here inside jsonargparse's union-type report
+            if not _raised_in_jsonargparse(err):
+                raise
+            self._refuse(explain(str(err), config_paths(self._argv), self._command(), self._argv))
+
+    def _command(self) -> str:
+        sub = next((a for a in self._argv if a in self.subcommands()), None)
+        return f"{PROG} {sub}" if sub else PROG
+
+    def _refuse(self, line: str) -> None:
+        """One line on stderr, exit status 2 (as argparse's errors), instead of the usage text and a dump."""
+        print(f"{self._command()}: error: {line}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
     def before_fit(self) -> None:
         config = self.config_init[self.subcommand]
@@ -277,6 +305,14 @@ class NPUCLI(LightningCLI):
         print("\n".join([f"{PROG}: checkpoints are in", *lines, "Resume this run with:", f"  {resume}"]), flush=True)
 
 
+def _raised_in_jsonargparse(err: BaseException) -> bool:
+    """Whether jsonargparse raised `err` itself (its report of a failed instantiation), not user code it ran."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}jsonargparse{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
 def _lightning_cli(args: Optional[list[str]]) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
 
@@ -287,7 +323,9 @@ def _lightning_cli(args: Optional[list[str]]) -> None:
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": PROG, "description": "Train, evaluate and manage checkpoints with lightning-npu "
+        # errors come back as exceptions, which NPUCLI says in one line naming the file, line and key
+        parser_kwargs={"prog": PROG, "exit_on_error": False,
+                       "description": "Train, evaluate and manage checkpoints with lightning-npu "
                        "(LightningCLI with the npu_hybrid strategy registered)."},
     )
 

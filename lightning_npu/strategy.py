@@ -74,17 +74,18 @@ class NPUHybridStrategy(DDPStrategy):
         zero_stage: what is sharded over the dp ranks: 0 nothing (replicate), 1 optimizer state,
             2 also gradients, 3 also parameters (FSDP2).
         micro_batches: pipeline micro-batches per optimizer step (pp > 1); ``None`` means one per
-            stage (``pipeline_parallel_size``).
-        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+            stage (``pipeline_parallel_size``). At pp = 1 it is ignored, with a warning.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (pp > 1; warned about and ignored
+            at pp = 1).
         tp_plan: how layers are split under tp > 1: ``"auto"`` (known GPT-2 / Llama /
             ``transformers`` shapes), a dict of module-name glob to a style (``"colwise"``,
             ``"rowwise"``, ``"vocab"``, ``"replicate"``, ...) or a DTensor ``ParallelStyle``, or ``None`` for
             no split. The style ``"auto"`` is the automatic plan's choice, so ``{"*": "auto",
             "model.lm_head": "replicate"}`` overrides one module (later entries win). A vocab-split head
             returns logits that work in any code (torchmetrics, ``argmax``, ``generate``) while
-            ``F.cross_entropy`` on them stays vocab-parallel.
+            ``F.cross_entropy`` on them stays vocab-parallel. A dict at tp = 1 is ignored, with a warning.
         sequence_parallel: also shard norm and dropout activations along the sequence over the tp
-            ranks (saves activation memory; needs tp > 1).
+            ranks (saves activation memory; needs tp > 1, refused at tp = 1).
         activation_checkpointing: recompute block activations in backward instead of keeping them: ``None``
             off, an int N (the N-th, 2N-th, ... block), ``"full"`` (every block), ``"selective"`` (every
             block, keeping matmul and attention outputs) or ``"auto"`` (the fewest blocks that fit

@@ -8,6 +8,8 @@ import torch
 
 import lightning_npu
 from lightning_npu import NPUAccelerator, NPUHybridStrategy, device
+from lightning_npu.parallel.data_parallel.compression import Compressor
+from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
 from lightning_npu.parallel.errors import ParallelConfigError
 
 
@@ -72,8 +74,13 @@ def test_layout_that_does_not_fit_the_world_fails_at_trainer_construction():
         L.Trainer(accelerator="cpu", devices=2, strategy=NPUHybridStrategy(data_parallel_size=3))
 
 
+def _compressor(strategy):
+    """The `Compressor` the layout builds from the validated setting (as `parallelize` does)."""
+    return Compressor(parse_compression(strategy.parallel_config.gradient_compression))
+
+
 def test_gradient_compression_globs_are_validated_at_construction():
-    compressor = NPUHybridStrategy(gradient_compression={"*.mlp.*": "topk", "*": None}).parallel_config.make_compressor()
+    compressor = _compressor(NPUHybridStrategy(gradient_compression={"*.mlp.*": "topk", "*": None}))
     assert compressor.per_module and compressor.spec["*.mlp.*"].mode == "topk" and compressor.spec["*"] is None
     with pytest.raises(ParallelConfigError, match=r"`gradient_compression\['text.\*'\]`: .*mode 'zip' is unknown"):
         NPUHybridStrategy(gradient_compression={"text.*": "zip"})
@@ -104,7 +111,7 @@ def test_bad_gradient_compression_fails_at_construction(value, zero, match):
 
 def test_gradient_compression_is_accepted():
     for value in ("powersgd", {"mode": "topk", "ratio": 0.1, "warmup_steps": 100}):
-        assert NPUHybridStrategy(gradient_compression=value, zero_stage=1).parallel_config.make_compressor() is not None
+        assert _compressor(NPUHybridStrategy(gradient_compression=value, zero_stage=1)) is not None
 
 
 def test_valid_arguments_are_accepted():

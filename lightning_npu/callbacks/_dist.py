@@ -6,7 +6,8 @@ that skips an optimizer step or a save while its peers do not deadlocks the next
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import builtins
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -34,3 +35,25 @@ def find_callback(trainer: Any, cls: type) -> Any:
         if isinstance(cb, cls):
             return cb
     return None
+
+
+def rank_zero_refusal(trainer: Any, check: Callable[[], Any]) -> Optional[tuple[str, str]]:
+    """Run `check` on global rank 0 only; the OSError it raised as (class name, message), to broadcast.
+
+    A rank that raised alone would leave its peers waiting in the next collective: broadcast the result and
+    `raise_refused` it on every rank.
+    """
+    if not trainer.is_global_zero:
+        return None
+    try:
+        check()
+    except OSError as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def raise_refused(refused: Optional[tuple[str, str]]) -> None:
+    """Raise, on every rank, the OSError that rank 0 met (see `rank_zero_refusal`)."""
+    if refused is not None:
+        kind = getattr(builtins, refused[0], OSError)
+        raise (kind if isinstance(kind, type) and issubclass(kind, OSError) else OSError)(refused[1])

@@ -22,11 +22,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._async_io import TrackedAsyncCheckpointIO
-from lightning_npu.callbacks._dist import broadcast
+from lightning_npu.callbacks._dist import broadcast, raise_refused, rank_zero_refusal
 from lightning_npu.callbacks._saver import AtomicSaver
-from lightning_npu.callbacks._validate import check_bool, check_int, check_numbers, check_path
+from lightning_npu.validate import check_bool, check_int, check_numbers, check_path, check_writable_dir
 
 log = logging.getLogger(__name__)
+_OWNER = "DynamicCheckpoint"
 
 
 def _validate_schedule(phase_fractions: Sequence[float], intervals: Sequence[int]) -> None:
@@ -49,7 +50,8 @@ class DynamicCheckpoint(Checkpoint):
     """Phase-dependent, atomic, rotating checkpoints; resume with ``ckpt_path=DynamicCheckpoint.find_latest(dir)``.
 
     Args:
-        dirpath: where checkpoints go; default ``<default_root_dir>/checkpoints``.
+        dirpath: where checkpoints go; default ``<default_root_dir>/checkpoints``. Created at setup, where a
+            directory this process cannot write fails at once (not at the first save).
         phase_fractions: phase boundaries as fractions of ``max_steps`` (or of the estimated total steps).
         intervals: save interval in optimizer steps for each phase (one more than ``phase_fractions``).
         save_on_train_end: also save the final state.
@@ -70,14 +72,15 @@ class DynamicCheckpoint(Checkpoint):
         async_save: bool = False,
         checksum: bool = False,
     ) -> None:
-        phase_fractions = check_numbers("DynamicCheckpoint", "phase_fractions", phase_fractions, "(0.1, 0.8)")
-        intervals = check_numbers("DynamicCheckpoint", "intervals", intervals, "(500, 2000, 5000)")
+        o = _OWNER
+        phase_fractions = check_numbers("phase_fractions", phase_fractions, example="(0.1, 0.8)", owner=o)
+        intervals = check_numbers("intervals", intervals, example="(500, 2000, 5000)", owner=o)
         _validate_schedule(phase_fractions, intervals)
-        check_int("DynamicCheckpoint", "keep_last_k", keep_last_k, 1, 3, allow_none=True)
-        dirpath = check_path("DynamicCheckpoint", "dirpath", dirpath)
+        check_int("keep_last_k", keep_last_k, minimum=1, example=3, allow_none=True, owner=o)
+        dirpath = check_path("dirpath", dirpath, owner=o)
         for flag, value in (("save_on_train_end", save_on_train_end), ("async_save", async_save),
                             ("checksum", checksum)):
-            check_bool("DynamicCheckpoint", flag, value)
+            check_bool(flag, value, owner=o)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.phase_fractions = tuple(float(f) for f in phase_fractions)
         self.intervals = tuple(intervals)
@@ -129,10 +132,13 @@ class DynamicCheckpoint(Checkpoint):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
-        dirpath, self.run_id = broadcast(trainer, (str(self.dirpath), self.run_id or uuid.uuid4().hex[:12]))
+        # the directory is created and checked now, not at the first save hours into the run
+        refused = rank_zero_refusal(trainer, lambda: check_writable_dir("dirpath", self.dirpath, owner=_OWNER))
+        dirpath, self.run_id, refused = broadcast(trainer, (str(self.dirpath), self.run_id or uuid.uuid4().hex[:12],
+                                                            refused))
+        raise_refused(refused)
         self.dirpath = Path(dirpath)
         if trainer.is_global_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
             for stale in _store.clean_stale(self.dirpath):  # left by crashed saves; live ones are kept
                 log.info("DynamicCheckpoint: removed %s, left by an interrupted save.", stale)
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, TrackedAsyncCheckpointIO):

@@ -20,9 +20,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
 from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
-from lightning_npu.callbacks._validate import check_int
 from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
 from lightning_npu.parallel.checkpoint.safe_load import check_plain_data, refusing_unsafe
+from lightning_npu.validate import check_choice, check_int, check_number, check_path, is_number
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +31,22 @@ _NAMES = {v: k for k, v in ACTIONS.items()}
 CHECKS = ("nonfinite", "grad_norm", "loss", "grad_variance", "loss_spike", "update_ratio")
 
 
+_OWNER = "GradientHealthGuard"
+
+
 def _action(arg: str, value: Any, allowed: Sequence[str] = tuple(ACTIONS)) -> int:
-    if value not in allowed:
-        raise ValueError(f"GradientHealthGuard({arg}={value!r}): choose one of {', '.join(map(repr, allowed))}.")
-    return ACTIONS[value]
+    return ACTIONS[check_choice(arg, value, allowed, owner=_OWNER)]
 
 
 def _range(arg: str, value: Any) -> Optional[tuple[float, float]]:
+    """``(low, high)`` of real numbers, low < high; a string or a bool inside is refused, not cast."""
     if value is None:
         return None
-    try:
-        low, high = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"GradientHealthGuard({arg}={value!r}): pass (low, high), e.g. (1e-3, 10.0), or None to disable.")
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(is_number(v) for v in value)):
+        raise ValueError(f"{_OWNER}({arg}={value!r}): pass (low, high), e.g. (1e-3, 10.0), or None to disable.")
+    low, high = (float(v) for v in value)
     if not low < high:
-        raise ValueError(f"GradientHealthGuard({arg}={value!r}): low must be below high.")
+        raise ValueError(f"{_OWNER}({arg}={value!r}): low must be below high, e.g. {arg}=({high}, {low}).")
     return low, high
 
 
@@ -109,24 +110,22 @@ class GradientHealthGuard(Callback):
         self.grad_norm_range = _range("grad_norm_range", grad_norm_range)
         self.loss_range = _range("loss_range", loss_range)
         self.grad_variance_range = _range("grad_variance_range", grad_variance_range)
-        if loss_spike_factor is not None and not loss_spike_factor > 1.0:
-            raise ValueError(f"GradientHealthGuard(loss_spike_factor={loss_spike_factor!r}): must be > 1, or None.")
-        if not 0.0 < loss_ema_decay < 1.0:
-            raise ValueError(f"GradientHealthGuard(loss_ema_decay={loss_ema_decay!r}): must be inside (0, 1), e.g. 0.98.")
-        if update_ratio_target is not None and not update_ratio_target > 0:
-            raise ValueError(f"GradientHealthGuard(update_ratio_target={update_ratio_target!r}): must be > 0, or None.")
-        if not update_ratio_tolerance > 1.0:
-            raise ValueError(f"GradientHealthGuard(update_ratio_tolerance={update_ratio_tolerance!r}): must be > 1 (a factor).")
-        if not isinstance(update_ratio_every, int) or update_ratio_every < 1:
-            raise ValueError(f"GradientHealthGuard(update_ratio_every={update_ratio_every!r}): a positive number of steps.")
-        if not isinstance(loss_spike_warmup, int) or loss_spike_warmup < 0:
-            raise ValueError(f"GradientHealthGuard(loss_spike_warmup={loss_spike_warmup!r}): a number of steps >= 0.")
-        check_int("GradientHealthGuard", "escalate_after", escalate_after, 1, 3, allow_none=True)
-        if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
-            raise ValueError(f"GradientHealthGuard(max_rollbacks={max_rollbacks!r}): must be an integer >= 0.")
-        check_int("GradientHealthGuard", "max_warnings", max_warnings, 0, 3)
-        if rollback_lr_factor is not None and not 0.0 < rollback_lr_factor <= 1.0:
-            raise ValueError(f"GradientHealthGuard(rollback_lr_factor={rollback_lr_factor!r}): must be in (0, 1], or None.")
+        o = _OWNER
+        loss_spike_factor = check_number("loss_spike_factor", loss_spike_factor, above=1.0, example=10.0,
+                                         allow_none=True, owner=o)
+        loss_ema_decay = check_number("loss_ema_decay", loss_ema_decay, above=0.0, below=1.0, example=0.98, owner=o)
+        update_ratio_target = check_number("update_ratio_target", update_ratio_target, above=0.0, example=1e-5,
+                                           allow_none=True, owner=o)
+        update_ratio_tolerance = check_number("update_ratio_tolerance", update_ratio_tolerance, above=1.0,
+                                              example=100.0, owner=o)
+        check_int("update_ratio_every", update_ratio_every, minimum=1, example=50, owner=o)
+        check_int("loss_spike_warmup", loss_spike_warmup, minimum=0, example=10, owner=o)
+        check_int("escalate_after", escalate_after, minimum=1, example=3, allow_none=True, owner=o)
+        check_int("max_rollbacks", max_rollbacks, minimum=0, example=2, owner=o)
+        check_int("max_warnings", max_warnings, minimum=0, example=3, owner=o)
+        rollback_lr_factor = check_number("rollback_lr_factor", rollback_lr_factor, above=0.0, at_most=1.0,
+                                          example=0.5, allow_none=True, owner=o)
+        checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir, owner=o)
         self.loss_spike_factor = loss_spike_factor
         self.loss_spike_warmup = loss_spike_warmup
         self.loss_ema_decay = loss_ema_decay

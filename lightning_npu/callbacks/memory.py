@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_npu import device as dev
-from lightning_npu.callbacks._validate import check_bool, check_int
 from lightning_npu.memory import SavedActivations, model_state_bytes, storage_keys
+from lightning_npu.validate import check_bool, check_int
 
 _MIB = 2**20
 
@@ -34,8 +34,9 @@ class MemoryMonitor(Callback):
     """
 
     def __init__(self, activations: bool = True, log_every_n_steps: int = 1) -> None:
-        self.activations = check_bool("MemoryMonitor", "activations", activations)
-        self.log_every_n_steps = check_int("MemoryMonitor", "log_every_n_steps", log_every_n_steps, 1, 1)
+        self.activations = check_bool("activations", activations, owner="MemoryMonitor")
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, minimum=1, example=10,
+                                           owner="MemoryMonitor")
         self.last: dict[str, float] = {}
         self.epoch_peak: dict[str, float] = {}
         self.last_summary = ""  # the last epoch's line (also logged at INFO on rank 0)

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_npu import device as dev
-from lightning_npu.callbacks._validate import check_bool
+from lightning_npu.validate import check_bool, check_str, is_int, message
 
 _HINT = "PrometheusMetrics needs `prometheus_client`: `pip install prometheus_client` (or lightning-npu[metrics])."
 
@@ -61,13 +61,18 @@ class PrometheusMetrics(Callback):
         tokens_per_s_key: str = "tokens_per_s",
         addr: Optional[str] = None,
     ) -> None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"PrometheusMetrics(port={port!r}): give a TCP port in 1..65535, e.g. 9400.")
+        o = "PrometheusMetrics"
+        if not (is_int(port) and 0 < port < 65536):
+            kind = ValueError if is_int(port) else TypeError
+            raise kind(message("port", port, "a TCP port in 1..65535", 9400, owner=o))
+        check_str("addr", addr, example="'127.0.0.1'", allow_none=True, owner=o)
         if addr is not None:
             host = addr
-        if not isinstance(host, str) or not host:
-            raise TypeError(f"PrometheusMetrics(host={host!r}): give an address to bind as a string, e.g. '127.0.0.1'.")
-        check_bool("PrometheusMetrics", "all_ranks", all_ranks)
+        check_str("host", host, example="'127.0.0.1'", owner=o)
+        check_bool("all_ranks", all_ranks, owner=o)
+        check_str("loss_key", loss_key, example="'train_loss'", owner=o)
+        check_str("grad_norm_key", grad_norm_key, example="'health/grad_norm'", owner=o)
+        check_str("tokens_per_s_key", tokens_per_s_key, example="'tokens_per_s'", owner=o)
         self.port, self.host, self.all_ranks = port, host, all_ranks
         self.loss_key, self.grad_norm_key, self.tokens_per_s_key = loss_key, grad_norm_key, tokens_per_s_key
         self.bound_port: Optional[int] = None

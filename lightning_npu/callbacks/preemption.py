@@ -25,10 +25,10 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import Callback
 
 from lightning_npu.callbacks import _store
-from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
+from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback, raise_refused, rank_zero_refusal
 from lightning_npu.callbacks._saver import AtomicSaver
-from lightning_npu.callbacks._validate import check_path
 from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
+from lightning_npu.validate import check_path, check_writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def _signal(name: Any) -> signal.Signals:
             sig = signal.Signals[name] if isinstance(name, str) else signal.Signals(name)
     except (KeyError, ValueError, TypeError):
         raise ValueError(
-            f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal; use names such as 'SIGTERM', 'SIGUSR1'."
+            f"PreemptionCheckpoint(signals=[..., {name!r}]): not a signal; use names, numbers or signal.Signals, "
+            "e.g. signals=('SIGTERM', 'SIGUSR1')."
         ) from None
     if sig.name in _REFUSED:
         raise ValueError(
@@ -87,7 +88,8 @@ class PreemptionCheckpoint(Callback):
     Args:
         signals: the signal, or signals, that announce preemption: names (``"SIGTERM"``), numbers or
             `signal.Signals`. Uncatchable and crash signals (SIGKILL, SIGSTOP, SIGSEGV, ...) are refused.
-        dirpath: where to save when there is no `DynamicCheckpoint` (whose directory is used otherwise).
+        dirpath: where to save when there is no `DynamicCheckpoint` (whose directory is used otherwise);
+            default ``<default_root_dir>/checkpoints``. Created and checked for writing at setup.
     """
 
     def __init__(self, signals: Any = ("SIGTERM", "SIGUSR1"), dirpath: Optional[str] = None) -> None:
@@ -101,7 +103,7 @@ class PreemptionCheckpoint(Callback):
         self.signals = list(dict.fromkeys(_signal(s) for s in signals))
         if not self.signals:
             raise ValueError("PreemptionCheckpoint(signals=[]): give at least one signal, e.g. ('SIGTERM',).")
-        dirpath = check_path("PreemptionCheckpoint", "dirpath", dirpath)
+        dirpath = check_path("dirpath", dirpath, owner="PreemptionCheckpoint")
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.received: Optional[int] = None
         self.saved_path: Optional[Path] = None
@@ -115,6 +117,19 @@ class PreemptionCheckpoint(Callback):
         launcher = getattr(self._trainer.strategy, "launcher", None) if self._trainer is not None else None
         if first and launcher is not None and getattr(launcher, "procs", None):
             launcher.kill(signum)  # Lightning's own subprocess launcher: pass the notice on to its children
+
+    def _dirpath(self, trainer: Any) -> Path:
+        return self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Create the directory and check that it is writable now: the signal comes when it is too late to ask.
+
+        With a `DynamicCheckpoint` its directory is used (and checked at its own setup)."""
+        if stage != "fit" or find_callback(trainer, DynamicCheckpoint) is not None:
+            return
+        refused = rank_zero_refusal(
+            trainer, lambda: check_writable_dir("dirpath", self._dirpath(trainer), owner="PreemptionCheckpoint"))
+        raise_refused(broadcast(trainer, refused))  # on every rank: a peer must not wait in the next collective
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # after Lightning registered its handlers (they are restored by the Trainer at teardown)
@@ -177,8 +192,7 @@ class PreemptionCheckpoint(Callback):
                 path = dyn.save(trainer, reason="preemption")
             dyn.flush(trainer)
         else:
-            dirpath = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
-            dirpath = Path(broadcast(trainer, str(dirpath)))
+            dirpath = Path(broadcast(trainer, str(self._dirpath(trainer))))
             if trainer.is_global_zero:
                 dirpath.mkdir(parents=True, exist_ok=True)
             path = dirpath / _store.checkpoint_name(trainer.global_step)

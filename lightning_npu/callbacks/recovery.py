@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -34,8 +33,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_npu import device as dev
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_flag, broadcast, find_callback
-from lightning_npu.callbacks._validate import check_bool, check_fraction, check_int, check_path
 from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
+from lightning_npu.validate import check_bool, check_fraction, check_int, check_number, check_path, check_str
 
 log = logging.getLogger(__name__)
 
@@ -174,21 +173,16 @@ class TrainingGuard(Callback):
         restart_backoff: float = 1.0,
         job_id: Optional[str] = None,
     ) -> None:
-        check_int("TrainingGuard", "max_restarts", max_restarts, 0, 3)
-        check_int("TrainingGuard", "nonfinite_patience", nonfinite_patience, 1, 20, allow_none=True)
-        check_int("TrainingGuard", "health_check_interval", health_check_interval, 1, 100, allow_none=True)
-        memory_warn_fraction = check_fraction("TrainingGuard", "memory_warn_fraction", memory_warn_fraction, 0.95)
-        checkpoint_dir = check_path("TrainingGuard", "checkpoint_dir", checkpoint_dir)
-        check_bool("TrainingGuard", "save_initial", save_initial)
-        check_bool("TrainingGuard", "allow_fresh_start", allow_fresh_start)
-        if isinstance(restart_backoff, bool) or not isinstance(restart_backoff, (int, float)) or not (
-            math.isfinite(restart_backoff) and restart_backoff >= 0
-        ):
-            raise ValueError(
-                f"TrainingGuard(restart_backoff={restart_backoff!r}): must be seconds >= 0, e.g. restart_backoff=1.0."
-            )
-        if job_id is not None and (not isinstance(job_id, str) or not job_id):
-            raise TypeError(f"TrainingGuard(job_id={job_id!r}): a non-empty string, or None to derive it.")
+        o = "TrainingGuard"
+        check_int("max_restarts", max_restarts, minimum=0, example=3, owner=o)
+        check_int("nonfinite_patience", nonfinite_patience, minimum=1, example=20, allow_none=True, owner=o)
+        check_int("health_check_interval", health_check_interval, minimum=1, example=100, allow_none=True, owner=o)
+        memory_warn_fraction = check_fraction("memory_warn_fraction", memory_warn_fraction, example=0.95, owner=o)
+        checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir, owner=o)
+        check_bool("save_initial", save_initial, owner=o)
+        check_bool("allow_fresh_start", allow_fresh_start, owner=o)
+        restart_backoff = check_number("restart_backoff", restart_backoff, at_least=0.0, example=1.0, owner=o)
+        check_str("job_id", job_id, example="'run-42'", allow_none=True, owner=o)
         self.allow_fresh_start = allow_fresh_start
         self.restart_backoff = float(restart_backoff)
         self.job_id = job_id

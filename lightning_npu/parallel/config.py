@@ -2,18 +2,28 @@
 
 A bad layout found after `init_process_group` costs the user a cluster allocation and often
 a hang; found here it costs a traceback that names the argument, the value and the fix.
+
+An argument that only means something in another layout is never dropped silently. Pipeline and
+tensor-parallel tuning (`micro_batches`, `pipeline_schedule`, a `tp_plan` dict) at pp = 1 or tp = 1 is
+warned about once and ignored: a config that switches the layout from the command line keeps them, and
+the run is the one asked for otherwise. `sequence_parallel=True` at tp = 1 is refused: it is asked for
+to save activation memory, which that run would not save.
 """
 
 from __future__ import annotations
 
-import math
+import sys
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
 from lightning_npu.ops.verdicts import PATTERNS
 from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
 from lightning_npu.parallel.errors import CompressionConfigError, ParallelConfigError
+from lightning_npu.validate import check_bool, check_choice, check_int, check_number
 
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -51,11 +61,6 @@ def _check_tp_plan_dict(tp_plan: dict) -> None:
             )
 
 
-def _flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ParallelConfigError(f"`{name}={value!r}` must be True or False.")
-
-
 def _check_fuse_ops(value: Any) -> None:
     """True (the device's measured table), False, "all", or a list of pattern names (to measure them)."""
     if isinstance(value, bool) or value == "all":
@@ -88,10 +93,12 @@ def _check_backend(value: Any) -> None:
             )
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParallelConfigError(f"`{name}={value!r}` must be a positive integer (e.g. `{name}=2`).")
-    return value
+def _user_frame() -> int:
+    """`warnings.warn`'s stacklevel of the first caller outside this package, so a warning names the user's line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("lightning_npu."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass
@@ -120,21 +127,18 @@ class ParallelConfig:
 
     # ---- checks that need no world size -------------------------------------------------
     def validate(self) -> None:
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, example=2, error=ParallelConfigError)
+        check_int("pipeline_parallel_size", self.pipeline_parallel_size, example=2, error=ParallelConfigError)
         if self.data_parallel_size != "auto":
-            _positive_int("data_parallel_size", self.data_parallel_size)
+            check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
         if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
             raise ParallelConfigError(
                 f"`zero_stage={self.zero_stage!r}` is not a ZeRO stage; use 0 (replicate), 1 (shard optimizer "
                 "state), 2 (+ gradients) or 3 (+ parameters)."
             )
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise ParallelConfigError(
-                f"`pipeline_schedule={self.pipeline_schedule!r}` is unknown; choose one of {list(PIPELINE_SCHEDULES)}."
-            )
+        check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES, error=ParallelConfigError)
         if self.micro_batches is not None:
-            _positive_int("micro_batches", self.micro_batches)
+            check_int("micro_batches", self.micro_batches, example=2, error=ParallelConfigError)
             if self.pipeline_parallel_size > 1 and self.pipeline_schedule != "gpipe":
                 if self.micro_batches < self.pipeline_parallel_size:
                     raise ParallelConfigError(
@@ -149,13 +153,14 @@ class ParallelConfig:
             )
         if isinstance(self.tp_plan, dict):
             _check_tp_plan_dict(self.tp_plan)
-        _flag("sequence_parallel", self.sequence_parallel)
+        check_bool("sequence_parallel", self.sequence_parallel, error=ParallelConfigError)
         _check_fuse_ops(self.fuse_ops)
         if self.sequence_parallel and (self.tensor_parallel_size == 1 or self.tp_plan is None):
             raise ParallelConfigError(
                 "`sequence_parallel=True` shards activations over the tensor-parallel group: it needs "
                 "`tensor_parallel_size>1` and a tp_plan; set sequence_parallel=False or raise tensor_parallel_size."
             )
+        self._warn_other_layouts()
         ac = self.activation_checkpointing
         if not (ac is None or ac in ("full", "selective", "auto")
                 or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
@@ -165,11 +170,8 @@ class ParallelConfig:
                 "budget)."
             )
         budget = self.memory_budget_gb
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not (math.isfinite(budget) and budget > 0)):
-            raise ParallelConfigError(
-                f"`memory_budget_gb={budget!r}` must be a positive number of GB (10**9 bytes) per rank, or None for "
-                "the device's free memory.")
+        check_number("memory_budget_gb", budget, above=0, allow_none=True, example=60, error=ParallelConfigError,
+                     what="a positive number of GB (10**9 bytes) per rank, or None for the device's free memory")
         if budget is not None and ac != "auto":
             raise ParallelConfigError(
                 f"`memory_budget_gb={budget!r}` is read only by activation_checkpointing='auto' "
@@ -179,12 +181,8 @@ class ParallelConfig:
                 "`activation_checkpointing='auto'` measures one ordinary forward, which a pipeline schedule does not "
                 f"run (pipeline_parallel_size={self.pipeline_parallel_size}); choose an int N, 'full' or 'selective'.")
         self._check_compression()
-        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)) or not (
-            math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0
-        ):
-            raise ParallelConfigError(
-                f"`bucket_size_mb={self.bucket_size_mb!r}` must be a positive, finite number of MiB, e.g. 25.0."
-            )
+        check_number("bucket_size_mb", self.bucket_size_mb, above=0, example=25.0, error=ParallelConfigError,
+                     what="a positive, finite number of MiB")
         h = self.hierarchical_allreduce
         if not (isinstance(h, bool) or (isinstance(h, str) and h == "auto")):  # 1 == True: compare types too
             raise ParallelConfigError(
@@ -203,6 +201,22 @@ class ParallelConfig:
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
             )
 
+    def _warn_other_layouts(self) -> None:
+        """Warn (once, on rank 0) about arguments that the chosen layout ignores; see the module doc."""
+        unused = []
+        if self.pipeline_parallel_size == 1:
+            if self.micro_batches is not None:
+                unused.append((f"micro_batches={self.micro_batches!r}", "pipeline_parallel_size",
+                               f"; for gradient accumulation use Trainer(accumulate_grad_batches={self.micro_batches})"))
+            if self.pipeline_schedule != "1f1b":
+                unused.append((f"pipeline_schedule={self.pipeline_schedule!r}", "pipeline_parallel_size", ""))
+        if self.tensor_parallel_size == 1 and isinstance(self.tp_plan, dict):
+            unused.append((f"tp_plan={self.tp_plan!r}", "tensor_parallel_size", ""))
+        for arg, size, hint in unused:
+            if rank_zero_only.rank == 0:  # each process of a launch builds the strategy
+                warnings.warn(f"`{arg}` only applies with `{size}>1`; at `{size}=1` it is ignored. Set {size} to 2 "
+                              f"or more, or drop {arg.split('=')[0]}{hint}.", UserWarning, stacklevel=_user_frame())
+
     @staticmethod
     def check_strategy_options(
         start_method: Any = "popen",
@@ -213,13 +227,10 @@ class ParallelConfig:
     ) -> None:
         """The strategy's launch, DDP and checkpoint options, which are not part of the layout but fail as late as it
         does."""
-        if start_method not in START_METHODS:
-            raise ParallelConfigError(
-                f"`start_method={start_method!r}` is unknown; choose one of {list(START_METHODS)}."
-            )
-        _flag("find_unused_parameters", find_unused_parameters)
-        _flag("static_graph", static_graph)
-        _flag("async_save", async_save)
+        check_choice("start_method", start_method, START_METHODS, error=ParallelConfigError)
+        check_bool("find_unused_parameters", find_unused_parameters, error=ParallelConfigError)
+        check_bool("static_graph", static_graph, error=ParallelConfigError)
+        check_bool("async_save", async_save, error=ParallelConfigError)
         sdc = save_distributed_checkpoint
         if not (sdc is None or isinstance(sdc, bool) or (isinstance(sdc, str) and sdc == "auto")):
             raise ParallelConfigError(

@@ -72,22 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_SIZES = ("layers", "hidden", "heads", "vocab", "seq", "global_batch")
+EXAMPLES = (f"{PROG} --model examples/llama/config.yaml --devices 8", f"{PROG} --layers 32 --hidden 4096 --heads 32 "
+            "--vocab 32000 --seq 4096 --global-batch 512 --devices 64")
+
+
+def _missing(opts: argparse.Namespace) -> Optional[str]:
+    """Everything a plan still needs, in one message with an example: a first run without arguments learns
+    all of it at once, not one option per attempt."""
+    missing = []
+    if not opts.model:
+        sizes = [f"--{k.replace('_', '-')}" for k in _SIZES if getattr(opts, k) is None]
+        if sizes:
+            missing.append(f"the model: --model CONFIG.yaml or its sizes (missing {' '.join(sizes)})")
+    if opts.devices is None:
+        missing.append("--devices N (the number of devices in all)")
+    if not missing:
+        return None
+    return f"give {'; and '.join(missing)}. For example: {EXAMPLES[0]}, or {EXAMPLES[1]}."
+
+
 def _model(opts: argparse.Namespace) -> ModelSpec:
     sizes = {"layers": opts.layers, "hidden": opts.hidden, "heads": opts.heads, "kv_heads": opts.kv_heads,
              "ffn": opts.ffn, "vocab": opts.vocab, "seq": opts.seq, "global_batch": opts.global_batch,
              "mlp": opts.mlp, "attention": opts.attention}
     if opts.model:
         return model_from_config(opts.model, **sizes)
-    missing = [f"--{k.replace('_', '-')}" for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch")
-               if sizes[k] is None]
-    if missing:
-        raise PlannerError(f"give --model CONFIG.yaml or the model's sizes: missing {' '.join(missing)}.")
     return ModelSpec(**{k: v for k, v in sizes.items() if v is not None})
 
 
 def _cluster(opts: argparse.Namespace) -> ClusterSpec:
-    if opts.devices is None:
-        raise PlannerError("--devices is required (the number of devices in all, e.g. --devices 64).")
     return ClusterSpec(opts.devices, opts.devices_per_node, opts.device_memory_gb, opts.peak_tflops,
                        opts.intra_node_gbps, opts.inter_node_gbps, opts.gemm_efficiency, opts.latency_us)
 
@@ -180,6 +194,9 @@ def run(opts: argparse.Namespace) -> int:
         return 0
     if opts.top < 1:
         raise PlannerError(f"--top {opts.top}: must be at least 1.")
+    missing = _missing(opts)
+    if missing:
+        raise PlannerError(missing)
     model, cluster = _model(opts), _cluster(opts)
     result = plan(model, cluster, precision=opts.precision or "bf16-mixed", optimizer=opts.optimizer,
                   schedule=opts.schedule)

@@ -18,10 +18,10 @@ from lightning_npu.planner.spec import (
     Layout,
     ModelSpec,
     PlannerError,
-    _choice,
     model_from_config,
 )
 from lightning_npu.planner.timing import StepTime, step_time
+from lightning_npu.validate import check_choice
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,13 @@ def plan(
         model = ModelSpec(**model)
     if isinstance(cluster, dict):
         cluster = ClusterSpec(**cluster)
-    _choice("precision", precision, PRECISIONS)
-    _choice("optimizer", optimizer, OPTIMIZERS)
-    _choice("schedule", schedule, SCHEDULES)
+    check_choice("precision", precision, PRECISIONS, error=PlannerError)
+    check_choice("optimizer", optimizer, OPTIMIZERS, error=PlannerError)
+    check_choice("schedule", schedule, SCHEDULES, error=PlannerError)
     for r in recompute:
-        _choice("recompute", r, RECOMPUTE)
+        check_choice("recompute", r, RECOMPUTE, error=PlannerError)
     for z in zero_stages:
-        _choice("zero_stage", z, (0, 1, 2, 3))
+        check_choice("zero_stage", z, (0, 1, 2, 3), error=PlannerError)
     usable = max_usable_devices(model, cluster)
     if cluster.devices > usable:
         raise PlannerError(

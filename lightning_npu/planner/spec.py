@@ -7,10 +7,12 @@ the fix, before any arithmetic. `model_from_config` reads the ``model:`` block o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from lightning_npu.config_file import ConfigFileError, read_config
+from lightning_npu.validate import check_choice, check_number
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -23,20 +25,6 @@ VIRTUAL_STAGES = 2  # stages per rank under interleaved_1f1b (the strategy's def
 
 class PlannerError(ValueError):
     """A size or option the planner cannot use; the message names the argument and the fix."""
-
-
-def _positive(name: str, value: Any, kind: type = int) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if not ok:
-        what = "a positive integer" if kind is int else "a positive number"
-        raise PlannerError(f"`{name}={value!r}` must be {what}; pass e.g. `{name}=8`.")
-
-
-def _choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise PlannerError(f"`{name}={value!r}` is unknown; choose one of {list(choices)}.")
 
 
 @dataclass(frozen=True)
@@ -67,11 +55,11 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
-            _positive(name, getattr(self, name))
+            check_number(name, getattr(self, name), above=0, integral=True, example=8, error=PlannerError)
         if self.ffn is not None:
-            _positive("ffn", self.ffn)
+            check_number("ffn", self.ffn, above=0, integral=True, example=8, error=PlannerError)
         if self.kv_heads is not None:
-            _positive("kv_heads", self.kv_heads)
+            check_number("kv_heads", self.kv_heads, above=0, integral=True, example=8, error=PlannerError)
         if self.hidden % self.heads:
             raise PlannerError(
                 f"`heads={self.heads}` does not divide `hidden={self.hidden}`; every head needs hidden/heads "
@@ -82,9 +70,9 @@ class ModelSpec:
                 f"`kv_heads={self.kv_heads}` does not divide `heads={self.heads}`; grouped-query attention shares "
                 "each key/value head among heads/kv_heads query heads: pick a divisor of heads."
             )
-        _choice("mlp", self.mlp, MLPS)
-        _choice("attention", self.attention, ATTENTIONS)
-        _choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        check_choice("mlp", self.mlp, MLPS, error=PlannerError)
+        check_choice("attention", self.attention, ATTENTIONS, error=PlannerError)
+        check_choice("norm", self.norm, ("layernorm", "rmsnorm"), error=PlannerError)
 
     @property
     def n_ffn(self) -> int:
@@ -144,9 +132,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for name in ("devices", "devices_per_node"):
-            _positive(name, getattr(self, name))
+            check_number(name, getattr(self, name), above=0, integral=True, example=8, error=PlannerError)
         for name in ("device_memory_gb", "peak_tflops", "intra_node_GBps", "inter_node_Gbps", "gemm_efficiency"):
-            _positive(name, getattr(self, name), float)
+            check_number(name, getattr(self, name), above=0, example=8, error=PlannerError)
         if self.gemm_efficiency > 1:
             raise PlannerError(f"`gemm_efficiency={self.gemm_efficiency}` is a fraction of peak: pass e.g. 0.5.")
         if not (0 <= self.memory_headroom < 1) or not (self.latency_us >= 0):
@@ -234,14 +222,15 @@ _EXAMPLE_DEFAULTS = {
 def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
     """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
     ``batch_size`` x devices give seq and global batch unless `overrides` set them)."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise PlannerError(
             f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml."
         )
-    config = yaml.safe_load(path.read_text()) or {}
+    try:
+        config = read_config(path)
+    except ConfigFileError as err:
+        raise PlannerError(f"--model {err}") from None
     model = config.get("model") or {}
     if not isinstance(model, dict):
         raise PlannerError(f"{path}: `model:` must be a mapping with class_path and init_args.")
