@@ -83,7 +83,9 @@ def localize_parameters(model: nn.Module) -> int:
             module._parameters[pname] = local_of[id(p)]
         module_state(module).local_params = {n: module._parameters[n] for n in own}
         module.register_forward_pre_hook(_to_dtensor_params)
-        module.register_forward_hook(_to_local_params)
+        # `always_call`: a forward that raises leaves the plain shards in place, so the user sees their error rather
+        # than Lightning's teardown failing to move half-swapped parameters ("_apply(): Couldn't swap Linear.weight")
+        module.register_forward_hook(_to_local_params, always_call=True)
     return len(local_of)
 
 
