@@ -47,9 +47,11 @@ class Embed(nn.Module):
 class PosGPT(L.LightningModule):
     """A GPT written the ordinary way: layers on the LightningModule, ``self.pos = nn.Parameter(...)``."""
 
-    def __init__(self, pos_in: str = "root", block_size: int = GPT_KW["block_size"]) -> None:
+    def __init__(self, pos_in: str = "root", block_size: int = GPT_KW["block_size"], scalar: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if scalar:  # a 0-dim parameter the LightningModule holds (CLIP's `logit_scale`)
+            self.temperature = nn.Parameter(torch.tensor(1.0))
         cfg = GPTConfig(**{**GPT_KW, "block_size": block_size}, bias=False)
         if pos_in == "root":
             self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -64,7 +66,8 @@ class PosGPT(L.LightningModule):
         x = self.wte(idx) + self.pos[: idx.size(1)] if self.hparams.pos_in == "root" else self.embed(idx)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits * self.temperature if self.hparams.scalar else logits
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -96,10 +99,10 @@ def _world() -> int:
 
 
 def fit_gpt(strategy: Any, pos_in: str = "root", steps: int = STEPS, ckpt_dir: Optional[str] = None,
-            ckpt_in: Optional[str] = None) -> dict[str, Any]:
+            ckpt_in: Optional[str] = None, scalar: bool = False) -> dict[str, Any]:
     """`strategy`: NPUHybridStrategy's arguments, or "ddp" (Lightning's own: single-file checkpoints)."""
     L.seed_everything(0, verbose=False)
-    model = PosGPT(pos_in=pos_in)
+    model = PosGPT(pos_in=pos_in, scalar=scalar)
     losses = Losses()
     if strategy == "ddp":
         strategy, instance = {}, DDPStrategy()
@@ -210,6 +213,14 @@ def run_all(tmp: str) -> dict[str, Any]:
     out["single_file"] = Path(single).is_file()
     out["ddp-from-file"] = fit_gpt("ddp", steps=6, ckpt_in=single)
     out["zero1-from-file"] = fit_gpt({"zero_stage": 1}, steps=6, ckpt_in=single)
+    # a 0-dim parameter (whole on every rank, gradient all-reduced) under zero 1 and 3, each saved as a DCP
+    # directory at step 3 and resumed under the other stage
+    for z in (1, 3):
+        out[f"scalar-zero{z}-6"] = fit_gpt({"zero_stage": z, "save_distributed_checkpoint": True}, steps=6,
+                                           ckpt_dir=f"{tmp}/scalar{z}", scalar=True)
+    for z, saved in ((3, 1), (1, 3)):
+        out[f"scalar-zero{z}-from-zero{saved}"] = fit_gpt(
+            {"zero_stage": z}, steps=6, ckpt_in=f"{tmp}/scalar{saved}/epoch=0-step=3.ckpt", scalar=True)
     # BatchNorm buffers against Lightning's own DDP
     out["bn-ddp"] = fit_batchnorm("ddp")
     for z in (0, 1, 2, 3):
@@ -220,4 +231,6 @@ def run_all(tmp: str) -> dict[str, Any]:
 
 
 def run_reference() -> dict[str, Any]:
-    return {pos_in: fit_gpt({"zero_stage": 0}, pos_in=pos_in) for pos_in in ("root", "embed")}
+    out = {pos_in: fit_gpt({"zero_stage": 0}, pos_in=pos_in) for pos_in in ("root", "embed")}
+    out["scalar-6"] = fit_gpt({"zero_stage": 0}, steps=6, scalar=True)
+    return out

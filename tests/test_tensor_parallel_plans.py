@@ -81,6 +81,65 @@ def test_fused_reorder_roundtrip():
     assert torch.equal(_part_major(rm, 0, 3, 2), w)
 
 
+def test_fused_reorder_roundtrip_with_unequal_parts():
+    w = torch.arange(8.0).view(8, 1)  # q = 0..3, k = 4..5, v = 6..7 (Phi-3 with grouped kv heads)
+    rm = _rank_major(w, 0, (4, 2, 2), 2)
+    assert rm.flatten().tolist() == [0, 1, 4, 6, 2, 3, 5, 7]  # rank 0: q0 k0 v0, rank 1: q1 k1 v1
+    assert torch.equal(_part_major(rm, 0, (4, 2, 2), 2), w)
+
+
+def _zoo(name: str) -> torch.nn.Module:
+    from tests._model_zoo_workers import ZooModule
+
+    return ZooModule(name)
+
+
+def test_auto_uses_the_models_own_transformers_plan():
+    plan = plan_tensor_parallel(_zoo("gemma3"), 2, "auto")
+    names = {fqn: name for fqn, (name, _) in plan.styles.items()}
+    assert plan.sources == ["model: transformers' tp_plan of Gemma3ForCausalLM"]
+    assert names["model.model.layers.0.self_attn.q_norm"] == "replicate_sum_grad"
+    # transformers gathers the head's logits ("colwise_gather_output"); here they stay vocab-sharded for the loss
+    assert names["model.lm_head"] == "vocab" and names["model.model.embed_tokens"] == "vocab" and plan.vocab_parallel_head
+    # Llama-style attention reads its head counts from the config only: localised there
+    assert plan.local_heads["model.model.layers.0.self_attn"] == {
+        "config.num_attention_heads": (4, 2), "config.num_key_value_heads": (2, 1)}
+    # Phi-3's own plan gathers its fused projections; a dict splits them by heads, q/k/v sizes from the config
+    names = {fqn: name for fqn, (name, _) in plan_tensor_parallel(_zoo("phi3"), 2, "auto").styles.items()}
+    assert names["model.model.layers.0.self_attn.qkv_proj"] == "colwise_rep"
+    assert names["model.model.layers.0.self_attn.o_proj"] == "rowwise_rep"
+    split = plan_tensor_parallel(_zoo("phi3"), 2, {"*": "auto", "*.qkv_proj": "qkv", "*.self_attn.o_proj": "rowwise"})
+    assert split.styles["model.model.layers.0.self_attn.qkv_proj"][1].fused == (32, 16, 16)
+
+
+def test_name_rules_for_models_without_a_plan():
+    names = {fqn: name for fqn, (name, _) in plan_tensor_parallel(_zoo("bert"), 2, "auto").styles.items()}
+    assert names["model.bert.encoder.layer.0.attention.output.dense"] == "rowwise"
+    assert names["model.bert.encoder.layer.0.intermediate.dense"] == "colwise"
+    assert names["model.cls.predictions.decoder"] == "vocab"
+    falcon = plan_tensor_parallel(_zoo("falcon"), 2, "auto")  # one k/v head: the attention stays whole
+    assert falcon.styles["model.transformer.h.0.self_attention.query_key_value"][0] == "colwise_rep"
+    assert falcon.styles["model.transformer.h.0.self_attention.dense"][0] == "rowwise_rep"
+    assert "model.transformer.h.0.self_attention" not in falcon.local_heads
+
+
+def test_a_split_against_the_fused_layout_is_refused():
+    with pytest.raises(ParallelConfigError, match=r"style 'colwise' for module .*self_attn\.qkv_proj does not match "
+                                                  r"its layout: it is part-major, 'qkv' splits it"):
+        plan_tensor_parallel(_zoo("phi3"), 2, {"*": "auto", "*.qkv_proj": "colwise", "*.self_attn.o_proj": "rowwise"})
+    with pytest.raises(ParallelConfigError, match=r"style 'qkv' for module .*attention\.query_key_value does not "
+                                                  r"match its layout: it is interleaved per head, 'colwise' splits it"):
+        plan_tensor_parallel(_zoo("gpt-neox"), 2, {"*": "auto", "*.query_key_value": "qkv"})
+
+
+def test_moe_experts_are_refused_naming_the_override():
+    with pytest.raises(ParallelConfigError, match=r"cannot shard module model\.model\.layers\.0\.mlp\.experts "
+                                                  r"\(MixtralExperts: .*MoE experts are not tensor-parallel here yet"):
+        plan_tensor_parallel(_zoo("mixtral"), 2, "auto")
+    plan = plan_tensor_parallel(_zoo("mixtral"), 2, {"*": "auto", "*.mlp.experts": "replicate"})
+    assert "model.model.layers.0.mlp.experts" in plan.replicated
+
+
 def test_bad_layouts_fail_before_any_process_group():
     """Through Trainer.fit in real processes: the plan is validated before init_process_group."""
     for res in spawn(fit_expect_error, 2, 2, {"n_head": 4, "n_embd": 32}, True):

@@ -92,10 +92,27 @@ def test_buffers_match_lightning_ddp(runs, name):
     assert (ranks[0][name]["buffers"]["bn.running_mean"] - fresh).abs().max() > 0.1
 
 
-def test_zero23_refuses_scalar_parameters_naming_the_fix():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_scalar_parameters_stay_whole_and_reshard(runs, stage):
+    """A 0-dim parameter under zero 1 and 3: replicated and all-reduced as under DDP, so training equals one
+    process's; its DCP checkpoint resumes under the other stage as the uninterrupted run continues."""
+    ranks, refs = runs
+    ref = refs["scalar-6"]
+    assert abs(ref["state"]["temperature"].item() - 1.0) > 1e-3  # it trained
+    for rank in range(2):
+        got = ranks[rank][f"scalar-zero{stage}-6"]
+        torch.testing.assert_close(torch.tensor(got["logged"]), torch.tensor(ref["logged"]), rtol=RTOL, atol=0)
+        assert_same_state(got["state"], ref["state"])
+        other = 3 if stage == 1 else 1
+        resumed = ranks[rank][f"scalar-zero{other}-from-zero{stage}"]
+        torch.testing.assert_close(torch.tensor(resumed["logged"]), torch.tensor(got["logged"][3:]), rtol=RTOL, atol=0)
+        assert_same_state(resumed["state"], got["state"])
+
+
+def test_pipeline_zero23_refuses_scalar_parameters_naming_them():
     from lightning_npu.parallel.data_parallel.wrap import check_no_scalar_parameters
 
-    model = PosGPT()
-    model.logit_scale = torch.nn.Parameter(torch.ones(()))  # CLIP's
-    with pytest.raises(ValueError, match=r"zero_stage=3 .* logit_scale is a 0-dim parameter; give it shape \(1,\)"):
+    model = PosGPT(scalar=True)
+    with pytest.raises(ValueError, match=r"zero_stage=3 with pipeline parallelism .* temperature is a 0-dim "
+                                         r"parameter; use zero_stage=0 or 1"):
         check_no_scalar_parameters(model, 3)

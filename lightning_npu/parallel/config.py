@@ -28,7 +28,8 @@ from lightning_npu.validate import check_bool, check_choice, check_int, check_nu
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
-TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "qkv", "gate_up", "sequence", "replicate", "auto")
+TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "rowwise_rep", "qkv", "gate_up", "replicate_sum_grad",
+             "sequence", "replicate", "auto")
 HIERARCHICAL = ("auto", True, False)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # torch.distributed's own backends plus the device plugins' (hccl comes with torch_npu, imported lazily)

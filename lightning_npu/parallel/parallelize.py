@@ -153,6 +153,10 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             data_parallel.fully_shard_data_parallel(model, mesh, cfg.zero_stage, param_dtype)
             # Lightning broadcasts rank 0's parameters before validate/test (non-fitting setup): never the shards
             model._ddp_params_and_buffers_to_ignore = [name for name, _ in model.named_parameters()]
+            scalars = data_parallel.scalar_parameters(model)  # left out of FSDP2: all-reduced as under DDP
+            if scalars:
+                replicated = gs.GradientBuckets(scalars, dp_mesh, cfg.bucket_size_mb, shard=False, overlap=False)
+                return model, gs.FullyShardedGradientSync(model, replicated)
         return model, gs.FullyShardedGradientSync(model if pipeline is None else None)
     parsed = parse_compression(cfg.gradient_compression)
     compressor = None if parsed is None else Compressor(parsed)  # every dp bucket reduction goes through it

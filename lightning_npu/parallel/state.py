@@ -25,7 +25,7 @@ class ModuleState:
 @dataclass
 class TensorState:
     sharding: Any = None  # a plain local tp shard: its `shards.Sharding`
-    fused: Optional[tuple[int, int]] = None  # a fused projection's tp shard: (dim, parts), rank-major
+    fused: Optional[tuple[int, Any]] = None  # a fused projection's tp shard: (dim, parts or their sizes), rank-major
     master: bool = False  # a ZeRO-1 fp32 master slice: checkpoints store it in place of its parameter
     view: bool = False  # a checkpoint template's DTensor view of a local shard: loaded in place
 

@@ -65,29 +65,35 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
 
 # ---- the buckets of zero 0 under pp and zero 1 -----------------------------------------------------
 class _Slice:
-    """One parameter's place in a bucket and this rank's rows of it (all rows when the bucket is not sharded)."""
+    """One parameter's place in a bucket and this rank's rows of it (all rows when the bucket is not sharded).
+
+    A 0-dim (scalar) parameter is one row; it only lives in unsharded (all-reduce) buckets, as DDP keeps it.
+    """
 
     def __init__(self, param: nn.Parameter, offset: int, dp: int, rank: int) -> None:
-        if param.dim() == 0:
-            raise ValueError(
-                "zero_stage=1 shards parameters along dim 0, but the model has a 0-dim (scalar) parameter; give it "
-                "shape (1,) or use zero_stage=0."
-            )
+        if param.dim() == 0 and dp > 1:
+            raise ValueError("a 0-dim parameter cannot be sliced over dp; it belongs in a replicated bucket.")
         self.param = param
         self.offset = offset  # into this rank's part of the bucket
-        rows = param.shape[0]
-        self.row_numel = param[0].numel() if rows else 0
+        rows = param.shape[0] if param.dim() else 1
+        self.row_numel = (param[0].numel() if rows else 0) if param.dim() else 1
         self.chunk_rows = math.ceil(rows / dp)
         self.numel = self.chunk_rows * self.row_numel  # padded per-rank size
         self.start = min(rows, rank * self.chunk_rows)
         self.rows = max(0, min(rows, self.start + self.chunk_rows) - self.start)
 
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor shaped like the parameter (a scalar is its own row)."""
+        return full[self.start : self.start + self.rows] if full.dim() else full
+
 
 class _Bucket:
     """Parameters of one dtype whose gradients are reduced together, and this rank's part of the result."""
 
-    def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device, spec: Any = None) -> None:
+    def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device, spec: Any = None,
+                 replicated: bool = False) -> None:
         self.params = params
+        self.replicated = replicated  # all-reduced and held whole on every rank, in a sharded (zero 1) set: scalars
         self.dtype = params[0].dtype
         self.spec = spec  # the CompressionSpec of every parameter here (None: uncompressed)
         self.slices: list[_Slice] = []
@@ -107,7 +113,8 @@ class _Bucket:
         self.had_grad: list[bool] = []
 
     def local_view(self, flat: torch.Tensor, s: _Slice) -> torch.Tensor:
-        return flat[s.offset : s.offset + s.rows * s.row_numel].view(s.rows, *s.param.shape[1:])
+        shape = (s.rows, *s.param.shape[1:]) if s.param.dim() else ()
+        return flat[s.offset : s.offset + s.rows * s.row_numel].view(shape)
 
 
 class GradientBuckets:
@@ -115,7 +122,9 @@ class GradientBuckets:
 
     ``shard=True`` (zero 1): reduce-scatter; each rank keeps the averaged rows it owns in ``bucket.grad`` and
     the full local gradients are dropped. ``shard=False`` (zero 0 under pp): all-reduce; the averaged gradients
-    go back into each parameter's ``.grad``. With ``overlap`` a bucket launches from post-accumulate-grad hooks
+    go back into each parameter's ``.grad``. Under ``shard=True`` 0-dim parameters (CLIP's ``logit_scale``) have
+    no rows to split: they go in ``replicated`` buckets, all-reduced and kept whole on every rank, as DDP keeps
+    them. With ``overlap`` a bucket launches from post-accumulate-grad hooks
     as soon as its last gradient is ready; otherwise `finish` launches them all.
 
     The local gradients are copied once into a rank-major send buffer at launch, as FSDP2 does, rather than
@@ -138,6 +147,9 @@ class GradientBuckets:
         # buckets are homogeneous in dtype and compression spec (per-module globs): each is reduced one way
         spec_of = compressor.spec_of if compressor is not None else (lambda p: None)
         self.buckets = _make_buckets(params, bucket_size_mb, self.dp if shard else 1, rank, device, spec_of)
+        for bucket in self.buckets:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
+            if bucket.replicated:
+                bucket.spec = None
         self.slice_of: dict[int, tuple[_Bucket, _Slice]] = {
             id(s.param): (b, s) for b in self.buckets for s in b.slices}
         self.enabled = True
@@ -174,7 +186,8 @@ class GradientBuckets:
     def _launch(self, bucket: _Bucket) -> None:
         bucket.had_grad = [p.grad is not None for p in bucket.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        parts = self.dp if self.shard else 1
+        grads = [g if g.dim() else g.reshape(1) for g in grads]  # a scalar is one row
+        parts = self.dp if self.shard and not bucket.replicated else 1
         send = torch.empty(parts, bucket.total, dtype=torch.float32, device=bucket.grad.device)
         # rank-major, each gradient's dim 0 chunked and zero-padded: rank r's part is its rows of every gradient
         torch._chunk_cat(grads, dim=0, num_chunks=parts, out=send)
@@ -182,6 +195,7 @@ class GradientBuckets:
         if self.shard:
             for p in bucket.params:
                 p.grad = None  # the reduced slice replaces the full local gradient (no stale full copy to misread)
+        if self.shard and not bucket.replicated:
             # a second backward before zero_grad (manual optimization) adds to the reduced slice, as `.grad` would
             bucket.out = torch.empty_like(bucket.grad) if bucket.pending else bucket.grad
             bucket.work = reduce_bucket(bucket.send, self.group, out=bucket.out, **self._compression(bucket))
@@ -194,7 +208,7 @@ class GradientBuckets:
         if self.compressor is None or bucket.spec is None:
             return {}  # uncompressed (with globs: parameters that no glob compresses)
         return {"compressor": self.compressor, "key": self._key(bucket), "spec": bucket.spec, "params": bucket.params,
-                "parts": self.dp if self.shard else 1}
+                "parts": self.dp if self.shard and not bucket.replicated else 1}
 
     def _key(self, bucket: _Bucket) -> str:
         return f"{self.key_prefix}.{self.buckets.index(bucket)}"
@@ -212,7 +226,8 @@ class GradientBuckets:
             bucket.out.div_(self.dp)
             if self.shard:
                 if bucket.out is not bucket.grad:
-                    # launched inside a pipeline schedule, before Lightning's zero_grad cleared `pending`: overwrite
+                    # a replicated bucket (all-reduced in place), or one launched inside a pipeline schedule before
+                    # Lightning's zero_grad cleared `pending`: add or overwrite
                     bucket.grad.add_(bucket.out) if bucket.pending else bucket.grad.copy_(bucket.out)
                 bucket.pending = True
             else:
@@ -236,16 +251,21 @@ def _make_buckets(params: list[nn.Parameter], bucket_size_mb: float, parts: int,
     buckets: list[_Bucket] = []
     pending: dict[tuple, list[nn.Parameter]] = {}
     sizes: dict[tuple, int] = {}
+
+    def bucket(kind: tuple, group: list[nn.Parameter]) -> _Bucket:
+        replicated = kind[2] and parts > 1  # scalars are not sliced: all-reduced, whole on every rank
+        return _Bucket(group, 1 if replicated else parts, 0 if replicated else rank, device, kind[1], replicated)
+
     for p in reversed(params):
-        kind = (p.dtype, spec_of(p))
+        kind = (p.dtype, spec_of(p), p.dim() == 0)
         group = pending.setdefault(kind, [])
         group.append(p)
         sizes[kind] = sizes.get(kind, 0) + p.numel() * 4
         if sizes[kind] >= limit:
-            buckets.append(_Bucket(group, parts, rank, device, kind[1]))
+            buckets.append(bucket(kind, group))
             pending[kind], sizes[kind] = [], 0
             limit = max(1, int(bucket_size_mb * 2**20))
-    buckets.extend(_Bucket(group, parts, rank, device, kind[1]) for kind, group in pending.items() if group)
+    buckets.extend(bucket(kind, group) for kind, group in pending.items() if group)
     return buckets
 
 
@@ -388,14 +408,23 @@ class DistributedOptimizerSync(GradientSync):
 
 class FullyShardedGradientSync(GradientSync):
     """zero 2/3: FSDP2 reduce-scatters each unit's gradients in fp32 during backward. Under pp (`module` None)
-    each stage's schedule reduce-scatters once per step, or not while accumulating: the runner reads `enabled`."""
+    each stage's schedule reduce-scatters once per step, or not while accumulating: the runner reads `enabled`.
 
-    def __init__(self, module: Optional[nn.Module]) -> None:
+    `replicated`: the buckets of the parameters FSDP2 leaves out (0-dim ones, `wrap.scalar_parameters`), whose
+    gradients are all-reduced here after the stepping backward, as DDP reduces them.
+    """
+
+    def __init__(self, module: Optional[nn.Module], replicated: Optional[GradientBuckets] = None) -> None:
         self.module = module
+        self.replicated = replicated
 
     def _communicate(self, enabled: bool) -> None:
         if self.module is not None:
             set_gradient_sync(self.module, enabled)
+
+    def finish(self) -> None:
+        if self.replicated is not None and self.replicated.has_gradients():
+            self.replicated.finish()
 
 
 # ---- zero 2/3: FSDP2's reduce-scatter, through the same bucket reduction -------------------------------

@@ -79,13 +79,18 @@ def fully_shard_data_parallel(
 
     `module` is the LightningModule: its blocks, then each of its direct children that hold parameters, become
     FSDP units; parameters it holds itself become a root unit (FSDP2 makes the LightningModule's class a subclass,
-    so Lightning keeps calling its hooks). A 0-dim parameter is refused with the fix. With
+    so Lightning keeps calling its hooks). 0-dim parameters (CLIP's ``logit_scale``), which FSDP2 cannot shard,
+    are left out of every unit (`scalar_parameters`): they stay whole on every rank and the strategy all-reduces
+    their gradients, as DDP does. With
     `param_dtype` (bf16-mixed compute) parameters are all-gathered in that dtype while the stored
     shards, the optimizer's master copy, stay fp32, and gradients are reduced in fp32.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs = _fully_shard_kwargs(module, mesh["dp"], zero_stage, param_dtype)
+    kwargs = _fully_shard_kwargs(module, mesh["dp"], zero_stage, param_dtype, check_scalars=False)
+    scalars = set(scalar_parameters(module))
+    if scalars:
+        kwargs["ignored_params"] = scalars
     if param_dtype not in (None, torch.float32):
         fully_shard_sequence_parallel_norms(module, mesh["dp"])
     for unit in _fsdp_units(module):
@@ -94,13 +99,14 @@ def fully_shard_data_parallel(
     for child in _child_units(module):
         if not isinstance(child, FSDPModule):
             fully_shard(child, **kwargs)
-    if any(True for _ in module.parameters(recurse=False)):
+    if any(p not in scalars for p in module.parameters(recurse=False)):
         # What the LightningModule holds itself (ViT's cls_token/pos_embed, a GPT's `pos`) is sharded in a root
         # unit, as FSDP2 does with leftovers. It stays gathered from forward to backward (FSDP2's root default;
         # the step's calls of `forward` would otherwise free it mid-step), and leaves the step's inputs uncast.
         # The strategy runs each step through this root's forward hooks (`is_sharded_root`).
         root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=root_mp)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=root_mp,
+                    **({"ignored_params": scalars} if scalars else {}))
     route_reduce_scatter(module)
     return module
 
@@ -134,15 +140,21 @@ def is_sharded_root(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def scalar_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The 0-dim parameters of `module` (CLIP's ``logit_scale``): FSDP2 cannot shard them along dim 0."""
+    return [p for p in module.parameters() if p.dim() == 0]
+
+
 def check_no_scalar_parameters(module: torch.nn.Module, zero_stage: int) -> None:
-    """FSDP2 shards every parameter along dim 0 and refuses 0-dim ones (CLIP's ``logit_scale``) with a message
-    naming neither the module path nor the zero stage; fail first with both."""
+    """A pipeline stage under ZeRO 2/3 shards every parameter it holds along dim 0 (its FSDP2 units cannot leave
+    one out yet); FSDP2's own refusal of a 0-dim parameter names neither the parameter nor the stage: fail first
+    with both."""
     scalars = [name for name, p in module.named_parameters() if p.dim() == 0]
     if scalars:
         raise ValueError(
-            f"zero_stage={zero_stage} shards every parameter along dim 0, but {', '.join(scalars[:4])} "
-            f"{'is a 0-dim parameter' if len(scalars) == 1 else 'are 0-dim parameters'}; give it shape (1,) "
-            "(e.g. `nn.Parameter(torch.ones(1))`) or use zero_stage=0."
+            f"zero_stage={zero_stage} with pipeline parallelism shards every stage parameter along dim 0, but "
+            f"{', '.join(scalars[:4])} {'is a 0-dim parameter' if len(scalars) == 1 else 'are 0-dim parameters'}; "
+            "use zero_stage=0 or 1 (they keep it whole and all-reduce its gradient), or pipeline_parallel_size=1."
         )
 
 
@@ -169,11 +181,12 @@ def fully_shard_sequence_parallel_norms(module: torch.nn.Module, dp_mesh: Device
 
 
 def _fully_shard_kwargs(module: torch.nn.Module, dp_mesh: DeviceMesh, zero_stage: int,
-                        param_dtype: Optional[torch.dtype]) -> dict[str, Any]:
+                        param_dtype: Optional[torch.dtype], check_scalars: bool = True) -> dict[str, Any]:
     """`fully_shard`'s arguments for every unit of a ZeRO-2/3 layout, after checking the module can be sharded."""
     if zero_stage not in (2, 3):
         raise ValueError(f"FSDP2 (fully_shard) is for zero_stage 2 or 3, got {zero_stage}.")
-    check_no_scalar_parameters(module, zero_stage)
+    if check_scalars:
+        check_no_scalar_parameters(module, zero_stage)
     return dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=_mixed_precision(param_dtype))
 
 

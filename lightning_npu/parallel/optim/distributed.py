@@ -23,6 +23,9 @@ the health guards and DCP checkpoints treat them like FSDP2's, and a ZeRO-1 chec
 to ZeRO 0/2/3 and any dp/tp size with no conversion. The communication volume is Megatron's; the
 price is a copy into the bucket (``torch._chunk_cat``, as FSDP2) and padding of ``dim0 % dp`` rows.
 
+A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
+steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
+
 Only element-wise optimizers are correct on slices (a per-parameter norm, as in LAMB, or a
 factored second moment, as in Adafactor, would see a slice); others are refused with the fix.
 """
@@ -35,12 +38,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel.sync import GradientBuckets
+from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
@@ -113,13 +117,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, flat in zip(self.buckets, self.masters):
             for s in bucket.slices:
                 with torch.no_grad():
-                    bucket.local_view(flat, s).copy_(s.param.detach()[s.start : s.start + s.rows])
-                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param))
+                    bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
+                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated))
                 tensor_state(master).master = True  # checkpoints store it in place of the parameter
                 self._shard_of[id(s.param)] = master
-                self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param)
+                self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param,
+                                                           bucket.replicated)
                 if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
-                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param)
+                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param,
+                                                                        bucket.replicated)
 
         # the public groups hold the DTensor slices (what schedulers, clipping, guards and checkpoints see); the
         # user's optimizer class steps plain views of the same storage: DTensor dispatch per foreach op cost ~6x
@@ -147,8 +153,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.defaults = self.optimizer.defaults
 
     # ---- layout ---------------------------------------------------------------------------
-    def _dtensor(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
+    def _dtensor(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False) -> DTensor:
         spec = sharding_of(param)
+        if replicated:  # a 0-dim parameter: whole on every dp rank, stepped identically (as under DDP)
+            return DTensor.from_local(local, self.dp_mesh, (Replicate(),), run_check=False, shape=param.shape,
+                                      stride=param.stride())
         if spec is None:
             return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
                                       stride=param.stride())
@@ -161,8 +170,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return DTensor.from_local(local, self._dp_tp_mesh, (dp_placement, tp_placement), run_check=False,
                                   shape=spec.shape, stride=spec.stride)
 
-    def _model_grad(self, local: torch.Tensor, param: torch.Tensor) -> DTensor:
-        # over dp only, shaped like the model parameter (a local tp shard under tp: `.grad` must match its shape)
+    def _model_grad(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False) -> torch.Tensor:
+        # over dp only, shaped like the model parameter (a local tp shard under tp: `.grad` must match its shape);
+        # a scalar's all-reduced gradient is shown as DDP shows it, a plain tensor
+        if replicated:
+            return local
         return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
                                   stride=param.stride())
 
@@ -207,9 +219,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     shown = self._published.get(id(p))
                     local = bucket.local_view(bucket.grad, s)
                     if shown is None or p.grad is not shown:
-                        shown = self._model_grad(local.to(p.dtype), p)
+                        shown = self._model_grad(local.to(p.dtype), p, bucket.replicated)
                     else:
-                        shown.to_local().copy_(local)
+                        gn.local_tensor(shown).copy_(local)
                 p.grad = shown
                 self._published[id(p)] = shown
 
@@ -222,6 +234,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """All-gather every rank's master slice into the (replicated) parameters, in their dtype."""
         pending = []
         for bucket, master in zip(self.buckets, self.masters):
+            if bucket.replicated:  # every rank stepped the whole (scalar) parameters: nothing to gather
+                for s in bucket.slices:
+                    s.param.copy_(bucket.local_view(master, s))
+                continue
             mine = master.to(bucket.dtype)
             full = torch.empty(self.dp, bucket.total, dtype=bucket.dtype, device=mine.device)
             work = all_gather_into(full.view(-1), mine, group=self.dp_group, async_op=True)
@@ -329,7 +345,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """After parameters were loaded directly (e.g. a single-file checkpoint), re-slice the masters."""
         for bucket, master in zip(self.buckets, self.masters):
             for s in bucket.slices:
-                bucket.local_view(master, s).copy_(s.param.detach()[s.start : s.start + s.rows])
+                bucket.local_view(master, s).copy_(s.rows_of(s.param.detach()))
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(
@@ -355,8 +371,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 s = by_master[id(master)]
                 entry = {}
                 for name, value in state_dict["state"].get(index, {}).items():
-                    if isinstance(value, torch.Tensor) and value.shape == s.param.shape:
-                        value = value[s.start : s.start + s.rows].to(torch.float32).contiguous()
+                    if isinstance(value, torch.Tensor) and value.shape == s.param.shape and s.param.dim():
+                        value = s.rows_of(value).to(torch.float32).contiguous()
                     elif isinstance(value, torch.Tensor):
                         value = value.clone()
                     entry[name] = value

@@ -4,12 +4,14 @@ An ordinary PyTorch model is sharded without rewriting its layers:
 
 * :func:`plan_tensor_parallel` turns ``tp_plan`` ("auto", a dict of ``glob -> style name`` or
   ``glob -> ParallelStyle``, where the style ``"auto"`` is the automatic plan's choice so that
-  ``{"*": "auto", "model.lm_head": "replicate"}`` overrides one module) into a per-module plan and
+  ``{"*": "auto", "model.lm_head": "replicate"}`` overrides one module; the automatic plan is a transformers
+  model's own tp plan where it ships one, else name rules: `auto`) into a per-module plan and
   validates it against the tp size
   (heads, kv-heads, hidden/FFN widths, vocabulary) **without any process group**, so a bad layout
   fails before ``init_process_group``;
 * :func:`apply_tensor_parallel` runs DTensor's ``parallelize_module`` with those styles, re-ties
-  tied weights and gives attention modules their local head counts;
+  tied weights, keeps sharded modules' buffers plain and gives attention modules their local head counts
+  (on the module, or on a per-module copy of the config it reads them from);
 * the vocab-split LM head (:class:`VocabParallelHead`) returns
   :class:`~lightning_npu.parallel.tensor_parallel.logits.VocabParallelLogits`: the full logits for ordinary code
   (torchmetrics, ``argmax``, ``generate``; gathered once on demand), the shard for the loss;
@@ -29,7 +31,9 @@ so checkpoints and ``state_dict`` keys and layouts are those of the unsharded mo
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -41,23 +45,22 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, lo
 from torch.overrides import TorchFunctionMode
 
 from lightning_npu.parallel.errors import ParallelConfigError
+from lightning_npu.parallel.tensor_parallel.auto import AutoPlan, auto_plan, qkv_parts
 from lightning_npu.parallel.tensor_parallel.logits import unwrap_logits
 from lightning_npu.parallel.tensor_parallel.styles import (
-    COLWISE_NAMES,
-    FUSED_NAMES,
+    CONFIG_HEAD_ATTRS,
     HEAD_ATTRS,
-    HEAD_NAMES,
+    HEAD_WIDTH_ATTRS,
     KV_HEAD_ATTRS,
     KV_NAMES,
-    POSITION_EMBEDDING_NAMES,
+    PER_HEAD_ATTRS,
     Q_NAMES,
-    ROWWISE_NAMES,
-    VOCAB_EMBEDDING_NAMES,
     GatherSequence,
     ShardSequenceOutput,
     _features,
     _is_linear,
     _sequence_parallel_style,
+    part_sizes,
     style_from_name,
 )
 
@@ -73,6 +76,7 @@ class TensorParallelPlan:
     replicated: list[str] = field(default_factory=list)
     applied: bool = False
     sequence_parallel: bool = False
+    sources: list[str] = field(default_factory=list)  # where the automatic choices came from
 
     @property
     def vocab_parallel_head(self) -> bool:
@@ -84,7 +88,9 @@ class TensorParallelPlan:
     def report(self) -> str:
         sp = ", sequence parallel" if self.sequence_parallel else ""
         lines = [f"tensor parallel (tp={self.tp_size}{sp}): {len(self.styles)} module(s) in the plan"]
-        lines += [f"  {fqn}: {name}" for fqn, (name, _) in self.styles.items()]
+        lines += [f"  from {source}" for source in self.sources]
+        lines += [f"  {fqn}: {name}" + (f" {style.fused}" if not isinstance(getattr(style, "fused", 1), int) else "")
+                  for fqn, (name, style) in self.styles.items()]
         for fqn, attrs in self.local_heads.items():
             lines.append(f"  {fqn}: " + ", ".join(f"{a} {g} -> {l}" for a, (g, l) in attrs.items()))
         if self.replicated:
@@ -95,35 +101,6 @@ class TensorParallelPlan:
         return self.report()
 
 
-def _auto_style(fqn: str, module: nn.Module, vocab_sizes: set[int]) -> Optional[str]:
-    leaf = fqn.rsplit(".", 1)[-1]
-    if isinstance(module, nn.Embedding):
-        if leaf in VOCAB_EMBEDDING_NAMES:
-            return "vocab"
-        if leaf in POSITION_EMBEDDING_NAMES:
-            return "replicate"
-        return None
-    if not _is_linear(module):
-        return None
-    in_f, out_f = _features(module)
-    if leaf in FUSED_NAMES:
-        fused = FUSED_NAMES[leaf]
-        if leaf == "c_attn" and out_f != 3 * in_f:
-            return None  # cross-attention's c_attn (k|v only) is not a q|k|v projection
-        return "qkv" if fused == 3 else "gate_up"
-    if leaf in COLWISE_NAMES:
-        return "colwise"
-    if leaf in ROWWISE_NAMES:
-        return "rowwise"
-    if leaf in HEAD_NAMES and (not vocab_sizes or out_f in vocab_sizes):
-        return "vocab"
-    return None
-
-
-def _has_own_weights(module: nn.Module) -> bool:
-    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
-
-
 def _check_divides(tp: int, what: str, value: int, fqn: str, fix: str = "") -> None:
     if value % tp:
         raise ParallelConfigError(
@@ -131,19 +108,32 @@ def _check_divides(tp: int, what: str, value: int, fqn: str, fix: str = "") -> N
         )
 
 
-def _head_counts(module: nn.Module) -> dict[str, int]:
+def _int_attrs(obj: Any, names: tuple[str, ...]) -> dict[str, int]:
     found = {}
-    for attr in HEAD_ATTRS + KV_HEAD_ATTRS:
-        value = getattr(module, attr, None)
+    for attr in names:
+        value = getattr(obj, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
             found[attr] = value
+    return found
+
+
+def _head_counts(module: nn.Module) -> dict[str, int]:
+    """The head counts an attention module holds (``num_heads``) or reads from its config (``config.<name>``)."""
+    found = _int_attrs(module, HEAD_ATTRS + KV_HEAD_ATTRS)
     config = getattr(module, "config", None)
     if config is not None:
-        for attr in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(config, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and attr not in found:
-                found[f"config.{attr}"] = value
+        found.update({f"config.{a}": v for a, v in _int_attrs(config, CONFIG_HEAD_ATTRS).items()})
     return found
+
+
+def _local_widths(module: nn.Module, counts: dict[str, int], tp: int) -> dict[str, tuple[int, int]]:
+    """Widths of all heads together that the module reshapes by (GPT-2's ``split_size``, BERT's ``all_head_size``),
+    where they are heads x head size."""
+    heads = next((v for a, v in counts.items() if a in HEAD_ATTRS), None)
+    per_head = next(iter(_int_attrs(module, PER_HEAD_ATTRS).values()), None)
+    if heads is None or per_head is None:
+        return {}
+    return {a: (v, v // tp) for a, v in _int_attrs(module, HEAD_WIDTH_ATTRS).items() if v == heads * per_head}
 
 
 def plan_tensor_parallel(
@@ -151,7 +141,8 @@ def plan_tensor_parallel(
 ) -> TensorParallelPlan:
     """Resolve `tp_plan` for `model` and validate it against `tp_size`; raises ParallelConfigError.
 
-    No process group is needed: the strategy calls this before ``init_process_group``.
+    ``"auto"`` entries take the automatic plan's choice (`auto`: the model's own transformers tp plan where it has
+    one, else name rules). No process group is needed: the strategy calls this before ``init_process_group``.
     """
     plan = TensorParallelPlan(tp_size)
     if tp_size == 1 or tp_plan is None:
@@ -159,33 +150,25 @@ def plan_tensor_parallel(
     if sequence_parallel:
         _check_sequence_parallel(model, tp_plan)
     modules = dict(model.named_modules())
-    vocab_sizes = {m.num_embeddings for f, m in modules.items()
-                   if isinstance(m, nn.Embedding) and f.rsplit(".", 1)[-1] in VOCAB_EMBEDDING_NAMES}
+    entries = {"*": "auto"} if tp_plan == "auto" else tp_plan
+    automatic = auto_plan(model, modules)
     # the plan's entries in order, later ones winning: "auto" is the dict {"*": "auto"}
     assigned: dict[str, Any] = {}  # fqn -> style name, ParallelStyle, or None (auto found no layout)
-    for pattern, style in ({"*": "auto"} if tp_plan == "auto" else tp_plan).items():
+    explicit: set[str] = set()
+    for pattern, style in entries.items():
         matched = [f for f in modules if f and fnmatch.fnmatchcase(f, pattern)]
         if not matched:
             raise ParallelConfigError(f"`tp_plan[{pattern!r}]` matches no module of {type(model).__name__}.")
         for fqn in matched:
             if style != "auto":
                 assigned[fqn] = style
-            elif _has_own_weights(modules[fqn]):
-                assigned[fqn] = _auto_style(fqn, modules[fqn], vocab_sizes)
-            elif any(True for _ in modules[fqn].parameters(recurse=False)):
-                assigned[fqn] = "replicate"  # norms and other 1-D parameters stay replicated
-    unknown = [f"{fqn} ({type(modules[fqn]).__name__})" for fqn, style in assigned.items() if style is None]
+                explicit.add(fqn)
+            elif fqn in automatic.styles:
+                assigned[fqn] = automatic.styles[fqn]
+                explicit.discard(fqn)
+    unknown = [fqn for fqn, style in assigned.items() if style is None]
     if unknown:
-        where = "tp_plan='auto'" if tp_plan == "auto" else "the 'auto' entry of tp_plan"
-        raise ParallelConfigError(
-            f"{where} cannot shard module {unknown[0]}"
-            + (f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])}{'...' if len(unknown) > 4 else ''})"
-               if len(unknown) > 1 else "")
-            + ": its name/type matches no known transformer layout (nanoGPT/GPT-2 c_attn/c_proj/c_fc, "
-            "Llama q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj, embed_tokens, lm_head). Give it a "
-            "style on top of the automatic plan, e.g. tp_plan={'*': 'auto', '<module glob>': "
-            "'colwise'|'rowwise'|'vocab'|'replicate'|...}."
-        )
+        raise ParallelConfigError(_cannot_shard(tp_plan, unknown, modules, automatic.reasons))
     for fqn in modules:  # module order, whatever the order of the entries
         style = assigned.get(fqn)
         if style is None:
@@ -195,15 +178,62 @@ def plan_tensor_parallel(
         elif style == "replicate":
             plan.replicated.append(fqn)
         else:
-            plan.styles[fqn] = (style, style_from_name(style, modules[fqn]))
+            if fqn in explicit:
+                _check_fused_layout(fqn, style, automatic.layouts.get(fqn))
+            fused = _fused_parts(fqn, style, modules, automatic)
+            plan.styles[fqn] = (style, style_from_name(style, modules[fqn], fused))
     if tp_plan == "auto" and not plan.styles:
         raise ParallelConfigError(
             f"tp_plan='auto' found nothing to shard in {type(model).__name__}; pass an explicit tp_plan dict."
         )
+    plan.sources = [s for s in automatic.sources if any(v == "auto" for v in entries.values())]
     _validate(plan, modules)
     if sequence_parallel:
         _make_sequence_parallel(plan, modules)
     return plan
+
+
+def _cannot_shard(tp_plan: Any, unknown: list[str], modules: dict[str, nn.Module], reasons: dict[str, str]) -> str:
+    where = "tp_plan='auto'" if tp_plan == "auto" else "the 'auto' entry of tp_plan"
+    described = [f"{f} ({type(modules[f]).__name__}{': ' + reasons[f] if f in reasons else ''})" for f in unknown]
+    more = (f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])}{'...' if len(unknown) > 4 else ''})"
+            if len(unknown) > 1 else "")
+    known = "" if unknown[0] in reasons else (
+        ": its name/type matches no known transformer layout (nanoGPT/GPT-2 c_attn/c_proj/c_fc, "
+        "Llama q_proj/k_proj/v_proj/o_proj/gate_proj/up_proj/down_proj, embed_tokens, lm_head, or a transformers "
+        "model's own tp_plan)")
+    return (f"{where} cannot shard module {described[0]}{more}{known}. Give it a style on top of the automatic plan, "
+            "e.g. tp_plan={'*': 'auto', '<module glob>': 'colwise'|'rowwise'|'vocab'|'replicate'|...}; 'replicate' "
+            f"keeps it whole on every rank: {{'*': 'auto', '{_glob(unknown[0])}': 'replicate'}}.")
+
+
+def _glob(fqn: str) -> str:
+    """A glob for `fqn` and its siblings in other blocks (layer numbers as ``*``)."""
+    return re.sub(r"(^|\.)\d+(\.|$)", lambda m: m.group(1) + "*" + m.group(2), fqn)
+
+
+def _check_fused_layout(fqn: str, style: str, auto: Optional[str]) -> None:
+    """A column split must match how the model lays out a fused projection's output: 'colwise' on a part-major
+    [q | k | v] (or [gate | up]) hands ranks whole parts, 'qkv' on a per-head interleaved one mixes heads; both
+    train silently wrong."""
+    fused = {"qkv", "gate_up"}
+    if (style == "colwise" and auto in fused) or (style in fused and auto == "colwise"):
+        raise ParallelConfigError(
+            f"`tp_plan` style {style!r} for module {fqn} does not match its layout: it is "
+            f"{'part-major, ' + repr(auto) if auto in fused else 'interleaved per head, ' + repr(auto)} splits it "
+            f"(or keep its output whole with 'colwise_rep' and 'rowwise_rep' on the projection after it)."
+        )
+
+
+def _fused_parts(fqn: str, style: str, modules: dict[str, nn.Module], automatic: AutoPlan) -> Any:
+    if style == "gate_up":
+        return 2
+    if style != "qkv":
+        return None
+    if fqn in automatic.fused:
+        return automatic.fused[fqn]
+    module = modules[fqn]
+    return qkv_parts(modules.get(fqn.rpartition(".")[0]), _features(module)[1]) if _is_linear(module) else 3
 
 
 def _check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
@@ -230,8 +260,8 @@ def _make_sequence_parallel(plan: TensorParallelPlan, modules: dict[str, nn.Modu
     styles: dict[str, tuple[str, ParallelStyle]] = {}
     for fqn in sorted(blocks):
         styles[fqn] = ("gather_seq", GatherSequence())
-    for fqn, (name, _) in plan.styles.items():
-        styles[fqn] = (name, _sequence_parallel_style(name, modules[fqn]))
+    for fqn, (name, style) in plan.styles.items():
+        styles[fqn] = (name, _sequence_parallel_style(name, modules[fqn], getattr(style, "fused", None)))
     replicated = []
     for fqn in plan.replicated:
         module = modules[fqn]
@@ -260,9 +290,11 @@ def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
                     tp, "num_kv_heads" if is_kv else "num_heads", value, parent_fqn,
                     "; every rank needs whole (key/value) heads: choose a tensor_parallel_size that divides it.",
                 )
-            own = {a: v for a, v in counts.items() if not a.startswith("config.")}
-            if own:
-                plan.local_heads[parent_fqn] = {a: (v, v // tp) for a, v in own.items()}
+            # every count it holds or reads from its config, and the widths it reshapes by, become this rank's
+            local = {a: (v, v // tp) for a, v in counts.items()}
+            local.update(_local_widths(parent, counts, tp))
+            if local:
+                plan.local_heads[parent_fqn] = local
     for fqn, (name, style) in plan.styles.items():
         module = modules[fqn]
         if name == "custom":
@@ -285,8 +317,15 @@ def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
         elif name == "vocab":
             _check_divides(tp, "vocab_size (out_features)", out_f, fqn, _vocab_fix(tp, out_f))
         elif name in ("qkv", "gate_up"):
-            fused = 3 if name == "qkv" else 2
-            _check_divides(tp, f"out_features/{fused}", out_f // fused, fqn)
+            fused = style.fused
+            if isinstance(fused, int) and out_f % fused:
+                raise ParallelConfigError(
+                    f"tp_plan style {name!r} for module {fqn} splits its {out_f} output features into {fused} equal "
+                    "parts, which they are not; pass a DTensor ParallelStyle object for it (e.g. "
+                    "lightning_npu.parallel.tensor_parallel.styles.Colwise(fused=(q, k, v)) with the parts' sizes)."
+                )
+            for i, size in enumerate(part_sizes(fused, out_f)):
+                _check_divides(tp, f"out_features of part {i} of {len(part_sizes(fused, out_f))}", size, fqn)
         else:
             _check_divides(tp, "out_features", out_f, fqn)
 
@@ -312,27 +351,56 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     tied = [h for h in holders.values() if len(h) > 1]
     parallelize_module(model, tp_mesh, {fqn: style for fqn, (_, style) in plan.styles.items()})
     for group in tied:
-        first_mod, first_name = group[0]
-        keep = getattr(model.get_submodule(first_mod), first_name)
-        for mod_fqn, pname in group[1:]:
-            other = getattr(model.get_submodule(mod_fqn), pname)
-            if isinstance(keep, DTensor) != isinstance(other, DTensor) or (
-                isinstance(keep, DTensor) and keep.placements != other.placements
-            ):
-                raise ParallelConfigError(
-                    f"tied parameters {first_mod}.{first_name} and {mod_fqn}.{pname} got different tensor-parallel "
-                    "layouts; shard both the same way (e.g. 'vocab' for the embedding and the LM head) or untie them."
-                )
-            model.get_submodule(mod_fqn).register_parameter(pname, keep)
+        _retie(model, group)
+    for fqn in plan.styles:
+        _plain_buffers(model.get_submodule(fqn))
+    local_configs: dict[int, Any] = {}  # one local copy per config object, shared as the original was
     for fqn, attrs in plan.local_heads.items():
         module = model.get_submodule(fqn)
         for attr, (_, local) in attrs.items():
-            setattr(module, attr, local)
-        # transformers' GPT-2 attention splits its fused output by `split_size` (= embed_dim)
-        if "num_heads" in attrs and isinstance(getattr(module, "split_size", None), int) and hasattr(module, "head_dim"):
-            module.split_size = module.head_dim * attrs["num_heads"][1]
+            if not attr.startswith("config."):
+                setattr(module, attr, local)
+        config_attrs = {a[len("config."):]: v for a, (_, v) in attrs.items() if a.startswith("config.")}
+        if config_attrs:
+            if id(module.config) not in local_configs:
+                local = copy.copy(module.config)
+                for attr, value in config_attrs.items():
+                    setattr(local, attr, value)
+                local_configs[id(module.config)] = local
+            module.config = local_configs[id(module.config)]
     plan.applied = True
     return plan
+
+
+def _retie(model: nn.Module, group: list[tuple[str, str]]) -> None:
+    """One parameter held by several modules (GPT-2's lm_head.weight is wte.weight; BERT's prediction bias is its
+    decoder's) is one object again after sharding: the sharded DTensor. Layers that apply it must agree on its
+    layout; a container that only holds it (BertLMPredictionHead.bias) holds the DTensor too."""
+    held = [(m, n, getattr(model.get_submodule(m), n)) for m, n in group]
+    sharded = [(m, n, p) for m, n, p in held if isinstance(p, DTensor)]
+    if not sharded:
+        return
+    first_mod, first_name, keep = sharded[0]
+    for mod_fqn, pname, other in held:
+        if other is keep:
+            continue
+        applies = _is_linear(model.get_submodule(mod_fqn)) or isinstance(model.get_submodule(mod_fqn), nn.Embedding)
+        if (isinstance(other, DTensor) and other.placements != keep.placements) or (
+                not isinstance(other, DTensor) and applies):
+            raise ParallelConfigError(
+                f"tied parameters {first_mod}.{first_name} and {mod_fqn}.{pname} got different tensor-parallel "
+                "layouts; shard both the same way (e.g. 'vocab' for the embedding and the LM head) or untie them."
+            )
+        model.get_submodule(mod_fqn).register_parameter(pname, keep)
+
+
+def _plain_buffers(module: nn.Module) -> None:
+    """DTensor's styles replicate a sharded module's buffers as DTensors (Gemma-3's scaled embedding's
+    ``embed_scale``); DDP's buffer broadcast and ordinary code then meet a DTensor among plain tensors. A replicated
+    buffer is the same everywhere: keep it plain (DTensor ops take a 0-dim plain tensor as replicated)."""
+    for name, buf in list(module._buffers.items()):
+        if isinstance(buf, DTensor) and all(p.is_replicate() for p in buf.placements):
+            module._buffers[name] = buf.to_local()
 
 
 # ---- sequence parallelism under FSDP2 -----------------------------------------------------------------

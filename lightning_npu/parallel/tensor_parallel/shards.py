@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_npu.parallel.state import module_state, tensor_state
-from lightning_npu.parallel.tensor_parallel.styles import _part_major, _rank_major
+from lightning_npu.parallel.tensor_parallel.styles import _is_fused, _part_major, _rank_major
 
 
 class Sharding(NamedTuple):
@@ -82,8 +82,11 @@ def localize_parameters(model: nn.Module) -> int:
                 local_of[id(p)] = local
             module._parameters[pname] = local_of[id(p)]
         module_state(module).local_params = {n: module._parameters[n] for n in own}
-        module.register_forward_pre_hook(_to_dtensor_params)
-        module.register_forward_hook(_to_local_params)
+        # first in, last out around the styles' own hooks (which may swap parameters themselves, see
+        # `styles.ReplicateSumGrad`); `always_call`: a forward that raises leaves the plain shards in place, so the
+        # user sees their error rather than Lightning's teardown failing to move half-swapped parameters
+        module.register_forward_pre_hook(_to_dtensor_params, prepend=True)
+        module.register_forward_hook(_to_local_params, always_call=True)
     return len(local_of)
 
 
@@ -103,12 +106,12 @@ def tensor_parallel_parameter_names(model: nn.Module) -> list[str]:
 
 # ---- fused projections: recorded per FQN, undone once -------------------------------------------------------
 def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """FQN -> (dim, parts, tp) of the rank-major fused DTensor parameters, read right after tp is applied (before
-    localizing or FSDP2 replaces the parameter objects)."""
+    """FQN -> (dim, parts, tp) of the rank-major fused DTensor parameters (parts: a count, or the parts' sizes),
+    read right after tp is applied (before localizing or FSDP2 replaces the parameter objects)."""
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         fused = getattr(tensor_state(p, create=False), "fused", None)
-        if isinstance(p, DTensor) and fused is not None and fused[1] > 1:
+        if isinstance(p, DTensor) and fused is not None and _is_fused(fused[1]):
             out[name] = (fused[0], fused[1], p.device_mesh.size())
     return out
 

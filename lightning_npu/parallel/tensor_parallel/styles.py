@@ -4,12 +4,12 @@ projections, the vocab-parallel head, sequence-parallel boundaries; and the modu
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_npu.parallel.errors import ParallelConfigError
@@ -19,16 +19,29 @@ from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 # ---- module-name conventions the automatic plan recognises ---------------------------------
 COLWISE_NAMES = {
     "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_fc", "fc1", "w1", "w3", "wq", "wk", "wv",
-    "query", "key", "value", "fc_in",
+    "query", "key", "value", "fc_in", "dense_h_to_4h",
 }
+# part-major fused projections ([q | k | v], [gate | up]): how many parts (q/k/v sizes come from the config)
 FUSED_NAMES = {"c_attn": 3, "qkv_proj": 3, "Wqkv": 3, "qkv": 3, "gate_up_proj": 2}
+# per-head (GPT-NeoX, Falcon) or per-kv-group (Falcon's new architecture) interleaved q/k/v: plain column split,
+# recognised only for these model types (another model's `query_key_value` may be laid out otherwise)
+INTERLEAVED_QKV_NAMES = {"query_key_value"}
+INTERLEAVED_QKV_MODEL_TYPES = {"gpt_neox", "falcon"}
 ROWWISE_NAMES = {"o_proj", "out_proj", "down_proj", "c_proj", "fc2", "w2", "wo", "fc_out", "dense_4h_to_h"}
-VOCAB_EMBEDDING_NAMES = {"wte", "embed_tokens", "word_embeddings", "tok_embeddings"}
-POSITION_EMBEDDING_NAMES = {"wpe", "position_embeddings", "embed_positions"}
+VOCAB_EMBEDDING_NAMES = {"wte", "embed_tokens", "word_embeddings", "tok_embeddings", "token_embedding", "embed_in"}
 HEAD_NAMES = {"lm_head", "output"}
+# small linear layers around the blocks that stay whole: classifiers, poolers, projections into a joint space
+REPLICATED_LINEAR_NAMES = {"classifier", "score", "visual_projection", "text_projection", "project_in", "project_out",
+                           "qa_outputs"}
+REPLICATED_PARENT_NAMES = {"pooler", "transform"}  # BERT's pooler.dense, cls.predictions.transform.dense
 HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
-Q_NAMES = {"q_proj", "wq", "query", "c_attn", "qkv_proj", "Wqkv", "qkv"}
+# widths of all local heads together that some attention modules reshape by (GPT-2, BERT, OPT/CLIP before 5.x)
+HEAD_WIDTH_ATTRS = ("split_size", "all_head_size", "embed_dim")
+PER_HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size")
+# head counts an attention module may read from its config in forward (Phi-3's qkv split): localised on a copy
+CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head")
+Q_NAMES = {"q_proj", "wq", "query", "c_attn", "qkv_proj", "Wqkv", "qkv", "query_key_value"}
 KV_NAMES = {"k_proj", "v_proj", "wk", "wv", "key", "value"}
 
 
@@ -48,32 +61,64 @@ def _features(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]
 
 
-def _rank_major(t: torch.Tensor, dim: int, fused: int, tp: int) -> torch.Tensor:
+Fused = Union[int, tuple[int, ...]]  # equal parts (their count), or the parts' sizes (Phi-3's q | k | v)
+
+
+def part_sizes(fused: Fused, total: int) -> list[int]:
+    """The sizes of a fused projection's parts along its output dim of `total` features."""
+    if isinstance(fused, int):
+        return [total // fused] * fused
+    if sum(fused) != total:
+        raise ValueError(f"fused parts {fused} do not add up to {total} features.")
+    return list(fused)
+
+
+def _is_fused(fused: Fused) -> bool:
+    return (fused if isinstance(fused, int) else len(fused)) > 1
+
+
+def _rank_major(t: torch.Tensor, dim: int, fused: Fused, tp: int) -> torch.Tensor:
     """Reorder ``[part0 | part1 | ...]`` along `dim` so that contiguous tp-chunks hold ``[p0_r | p1_r | ...]``."""
-    if fused == 1:
+    if not _is_fused(fused):
         return t
-    parts = [p.chunk(tp, dim) for p in t.chunk(fused, dim)]
-    return torch.cat([parts[j][r] for r in range(tp) for j in range(fused)], dim)
+    parts = [p.chunk(tp, dim) for p in t.split(part_sizes(fused, t.shape[dim]), dim)]
+    return torch.cat([parts[j][r] for r in range(tp) for j in range(len(parts))], dim)
 
 
-def _part_major(t: torch.Tensor, dim: int, fused: int, tp: int) -> torch.Tensor:
+def _part_major(t: torch.Tensor, dim: int, fused: Fused, tp: int) -> torch.Tensor:
     """Inverse of :func:`_rank_major`."""
-    if fused == 1:
+    if not _is_fused(fused):
         return t
-    pieces = t.chunk(tp * fused, dim)  # ordered (rank, part)
-    return torch.cat([pieces[r * fused + j] for j in range(fused) for r in range(tp)], dim)
+    sizes = [n // tp for n in part_sizes(fused, t.shape[dim])]
+    pieces = t.split(sizes * tp, dim)  # ordered (rank, part)
+    return torch.cat([pieces[r * len(sizes) + j] for j in range(len(sizes)) for r in range(tp)], dim)
 
 
 # ---- styles ----------------------------------------------------------------------------------
+def _local_output(outputs: Any, output_layouts: Any, use_local_output: bool) -> Any:
+    """A sharded layer's output in `output_layouts`, as a plain tensor when `use_local_output`.
+
+    Under autograd that tensor is a copy, not ``to_local``'s view: model code adds into a layer's output in place
+    (Falcon's ``mlp_output += attention_output``, 30-odd transformers models do so), which autograd forbids on a
+    custom Function's view. One activation-sized copy per sharded layer; none without gradients."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+    if not use_local_output:
+        return outputs
+    local = outputs.to_local()
+    return local.clone() if torch.is_grad_enabled() and local.requires_grad else local
+
+
 class Colwise(ColwiseParallel):
     """DTensor's ColwiseParallel, extended to transformers' ``Conv1D`` and to fused projections.
 
-    ``fused=3`` (q|k|v) or ``2`` (gate|up) shards every part by columns and keeps each rank's parts
-    together (see the module docstring); the parameter DTensor is ``Shard(out_dim)`` of the
-    rank-major reordered weight, which `tp_shards.full_tensors` maps back to the original layout.
+    ``fused=3`` (q|k|v) or ``2`` (gate|up), or the parts' sizes (``(32, 16, 16)``: Phi-3's q|k|v with grouped kv
+    heads), shards every part by columns and keeps each rank's parts together (see the module docstring); the
+    parameter DTensor is ``Shard(out_dim)`` of the rank-major reordered weight, which `tp_shards.full_tensors`
+    maps back to the original layout.
     """
 
-    def __init__(self, *, fused: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *, fused: Fused = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fused = fused
 
@@ -89,8 +134,13 @@ class Colwise(ColwiseParallel):
             tensor_state(dist).fused = (dim, self.fused)
             module.register_parameter(pname, dist)
 
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        return _local_output(outputs, output_layouts, use_local_output)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Embedding) and self.fused == 1:
+        if isinstance(module, nn.Embedding) and not _is_fused(self.fused):
             return super()._apply(module, device_mesh)
         if not _is_linear(module):
             raise ParallelConfigError(
@@ -106,11 +156,16 @@ class Colwise(ColwiseParallel):
         )
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + (f", fused={self.fused})" if self.fused != 1 else ")")
+        return super().__repr__()[:-1] + (f", fused={self.fused})" if _is_fused(self.fused) else ")")
 
 
 class Rowwise(RowwiseParallel):
     """DTensor's RowwiseParallel, extended to transformers' ``Conv1D`` (weight ``[in, out]``: Shard(0))."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        return _local_output(outputs, output_layouts, use_local_output)
 
     def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         module.register_parameter(
@@ -155,6 +210,40 @@ class VocabParallelHead(Colwise):
                            device_mesh: DeviceMesh) -> Any:
         outputs = Colwise._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
         return VocabParallelLogits(outputs) if isinstance(outputs, DTensor) else outputs
+
+
+class ReplicateSumGrad(ParallelStyle):
+    """Parameters replicated over tp that each rank applies to its own heads only (transformers'
+    ``replicated_with_grad_allreduce``: Gemma-3's and Qwen3's per-head ``q_norm``/``k_norm``).
+
+    The forward runs on plain values; each rank's gradient then covers only its heads, a partial sum. The
+    parameters are ``Replicate`` DTensors used through ``to_local(grad_placements=[Partial()])``, so DTensor
+    all-reduces that gradient over tp in backward (under ZeRO 2/3 FSDP2 reduces the partial gradient as it does a
+    sequence-parallel norm's).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param.data, device_mesh, [Replicate()]), requires_grad=param.requires_grad))
+        swapped: dict[str, nn.Parameter] = {}
+
+        def to_local(mod: nn.Module, args: Any) -> None:
+            for pname, p in list(mod._parameters.items()):
+                if isinstance(p, DTensor):
+                    swapped[pname] = p  # type: ignore[assignment]
+                    mod._parameters[pname] = p.to_local(grad_placements=[Partial()])  # type: ignore[assignment]
+
+        def restore(mod: nn.Module, args: Any, output: Any) -> None:
+            mod._parameters.update(swapped)
+            swapped.clear()
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)  # restored even when forward raises
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicateSumGrad()"
 
 
 class _Replicate(ParallelStyle):
@@ -210,7 +299,7 @@ class ShardSequenceOutput(ParallelStyle):
         return module
 
 
-def _sequence_parallel_style(name: str, module: nn.Module) -> ParallelStyle:
+def _sequence_parallel_style(name: str, module: nn.Module, fused: Optional[Fused] = None) -> ParallelStyle:
     """The `name` style with activations sequence-sharded (dim 1) between blocks."""
     if name == "vocab" and isinstance(module, nn.Embedding):
         return Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -224,26 +313,32 @@ def _sequence_parallel_style(name: str, module: nn.Module) -> ParallelStyle:
         return SequenceParallel(use_local_output=True)
     if name == "gather_seq":
         return GatherSequence()
-    return style_from_name(name, module)
+    return style_from_name(name, module, fused)
 
 
-def style_from_name(name: str, module: nn.Module) -> ParallelStyle:
+def style_from_name(name: str, module: nn.Module, fused: Optional[Fused] = None) -> ParallelStyle:
     """The ParallelStyle a ``tp_plan`` style name means for `module`.
 
     colwise: column-parallel (output sharded); rowwise: row-parallel (input sharded, output all-reduced;
     on an Embedding: vocabulary split); vocab: embedding split along the vocabulary, or for a Linear an
     LM head whose logits stay vocab-sharded for the vocab-parallel cross-entropy; colwise_rep: column-parallel
-    with the output gathered; qkv / gate_up: fused column-parallel keeping each rank's parts together;
-    sequence: norm/dropout on sequence shards; replicate: not sharded.
+    with the output gathered; rowwise_rep: row-parallel on a replicated input (each rank uses its slice; the pair
+    colwise_rep + rowwise_rep keeps what lies between them whole); qkv / gate_up: fused column-parallel keeping
+    each rank's parts together (`fused`: the parts' sizes where they differ); replicate_sum_grad: replicated,
+    used on local heads, gradient summed over tp; sequence: norm/dropout on sequence shards; replicate: not sharded.
     """
     if name == "colwise":
         return Colwise()
     if name == "qkv":
-        return Colwise(fused=3)
+        return Colwise(fused=fused or 3)
     if name == "gate_up":
-        return Colwise(fused=2)
+        return Colwise(fused=fused or 2)
     if name == "rowwise":
         return Rowwise(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else Rowwise()
+    if name == "rowwise_rep":
+        return Rowwise(input_layouts=Replicate())
+    if name == "replicate_sum_grad":
+        return ReplicateSumGrad()
     if name == "vocab":
         if isinstance(module, nn.Embedding):
             return Rowwise(input_layouts=Replicate())
