@@ -57,11 +57,11 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 
 from lightning_npu import device as dev
 from lightning_npu.parallel.optim import grad_norm as gn
-from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, unwrap_optimizer
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, unwrap_optimizer
 from lightning_npu.precision.emulation import EmulatedBF16MatmulMode
 from lightning_npu.precision.fp32 import FP32FunctionMode, install_fp32_islands
 from lightning_npu.precision.loss_scaler import DynamicLossScaler
@@ -248,13 +248,16 @@ class HybridPrecision(Precision):
         import lightning.pytorch as pl
 
         opt = _mixed_precision_optimizer(optimizer)
-        if self.scaler is not None and isinstance(opt.optimizer, LBFGS):
-            raise ValueError(
-                "HybridPrecision loss scaling does not support LBFGS (it re-evaluates the closure); "
-                "pass HybridPrecision(loss_scale=None) or use another optimizer."
-            )
         if isinstance(model, pl.LightningModule):
             self._pl_module = model
+        if needs_closure(opt.optimizer):
+            if self.scaler is not None:
+                raise ValueError(
+                    f"HybridPrecision loss scaling does not support {type(opt.optimizer).__name__} (it re-evaluates "
+                    "the closure); pass HybridPrecision(loss_scale=None) or precision='32-true', or use another "
+                    "optimizer."
+                )
+            return self._step_with_closure(opt, optimizer, model, closure, **kwargs)
         closure_result = closure()
         automatic = isinstance(model, pl.LightningModule) and model.automatic_optimization
         if closure_result is None and automatic:  # training_step returned None: no backward, no step
@@ -265,6 +268,22 @@ class HybridPrecision(Precision):
         step_output = opt.step(**kwargs)
         if opt.step_skipped:
             self.skipped_steps += 1
+        self._log(model)
+        return step_output
+
+    def _step_with_closure(self, opt: MixedPrecisionOptimizer, optimizer: Any, model: Any, closure: Callable[[], Any],
+                           **kwargs: Any) -> Any:
+        """An optimizer that evaluates the closure itself (LBFGS): Lightning's order inside each evaluation, as
+        Lightning's `Precision` runs it (backward, `on_before_optimizer_step`, clipping), and the step around it."""
+
+        def evaluate() -> Any:
+            self.last_grad_norm = None
+            result = closure()
+            opt.prepare_grads()
+            self._after_closure(model, optimizer)
+            return result
+
+        step_output = opt.step(closure=evaluate, **kwargs)
         self._log(model)
         return step_output
 

@@ -22,6 +22,7 @@ stay untouched.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Generator, Iterable
 from typing import Any, Callable, Optional
 
@@ -40,6 +41,13 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """Whether `optimizer.step` cannot run without a closure: it evaluates the loss itself (LBFGS, maybe many times),
+    so the step's parts must run inside that closure, as Lightning's own precision plugin runs them."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _install_masters(optimizer: Optimizer) -> list[tuple[Tensor, nn.Parameter]]:
@@ -153,8 +161,10 @@ class MixedPrecisionOptimizer(Optimizer):
 
         Outside a training step (no `prepare_grads` since the last step, e.g. DCP initialising optimizer state
         with zero gradients) this is the user's plain step: nothing is unscaled or counted and the scaler is left
-        alone.
+        alone. With a `closure` the user's optimizer evaluates it (see `_step_evaluating`).
         """
+        if closure is not None:
+            return self._step_evaluating(closure, **kwargs)
         found_inf = self._found_inf
         out = None
         if not found_inf:
@@ -171,6 +181,40 @@ class MixedPrecisionOptimizer(Optimizer):
             self.step_skipped = found_inf
             self._found_inf = None
             self._stats = None
+        return out
+
+    def _step_evaluating(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """The user's optimizer steps with `closure` and calls it itself, once (SGD, Adam) or several times (LBFGS).
+
+        Each call first shows the model the current main parameters (LBFGS re-evaluates the loss after moving
+        them), runs the closure (Lightning's: training step and backward) and prepares that evaluation's main
+        gradients, so that the user's optimizer reads what this wrapper would step. No loss scale: an overflow
+        cannot be skipped inside the user's optimizer (`HybridPrecision` refuses the combination).
+        """
+        if self.scaler is not None:
+            raise ValueError(
+                f"{type(self.optimizer).__name__}.step(closure) evaluates the loss inside its own step, where a "
+                "loss-scaling overflow cannot be skipped; pass HybridPrecision(loss_scale=None) (or precision="
+                "'32-true'), or step without a closure."
+            )
+
+        def evaluate() -> Any:
+            self._copy_main_params_to_model_params()
+            self._found_inf, self._stats = None, None  # a fresh backward: its gradients are prepared anew
+            with torch.enable_grad():
+                loss = closure()
+            self.prepare_grads()
+            return loss
+
+        try:
+            out = self._step_main_params(evaluate, **kwargs)
+            self._copy_main_params_to_model_params()
+        finally:
+            self._found_inf, self._stats = None, None
+        self.optimizer._opt_called = True
+        self._opt_called = True
+        self.steps += 1
+        self.step_skipped = False
         return out
 
     # a scheduler built on the wrapper itself: torch checks that its optimizer's `step` is wrapped to warn about a
