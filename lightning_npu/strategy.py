@@ -54,7 +54,7 @@ from lightning_npu.parallel.parallelize import apply_pp, parallelize
 from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
 from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
-from lightning_npu.precision.hybrid import as_hybrid_precision
+from lightning_npu.precision.hybrid import HybridPrecision, as_hybrid_precision
 
 
 class NPUHybridStrategy(DDPStrategy):
@@ -349,27 +349,26 @@ class NPUHybridStrategy(DDPStrategy):
         with self._grad_sync.no_sync():
             yield None
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Lightning's `Strategy.backward`, then the layout's gradient sync (`on_after_backward` sees reduced
-        gradients). Under pp the schedule already ran backward inside `training_step`, with the loss scale and
-        1/accumulate in each micro-batch's loss; here its held gradients are added to ``.grad`` and Lightning's
-        backward hooks still run."""
-        module = self.lightning_module
-        for opt in self.optimizers:  # a published (reduced, unscaled) `.grad` is not what this backward adds to
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Lightning's `Strategy.backward` runs the backward (not overridden, so that it is Lightning's entry point, as
+        under DDP): a published (reduced, unscaled) `.grad` is not what this backward adds to."""
+        for opt in self.optimizers:
             unwrap_optimizer(opt).hide_model_grads()
         if self._pipeline is None:
-            self.pre_backward(closure_loss)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            super().pre_backward(closure_loss)
+
+    def _layout_backward(self, module_backward: Any) -> None:
+        """`HybridPrecision.backward`'s part of Lightning's `Strategy.backward`: the LightningModule's `backward` hook,
+        or under pp the gradients the schedule already computed inside `training_step` (with the loss scale and
+        1/accumulate in each micro-batch's loss); then the layout's gradient sync, so that `on_after_backward` sees
+        reduced gradients."""
+        if self._pipeline is None:
             with self._loss_context():
-                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+                module_backward()
         else:
-            closure_loss = Precision.pre_backward(self.precision_plugin, closure_loss, module)
             self._pipeline.apply_gradients()
         if self._grad_sync.enabled:  # not on accumulating micro-steps
             self._grad_sync.finish()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
@@ -415,6 +414,8 @@ class NPUHybridStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         self._buffer_sync = None  # fit makes it again (`_setup_model`); evaluation runs without, as under DDP
+        if isinstance(self.precision_plugin, HybridPrecision):
+            self.precision_plugin.layout_backward = self._layout_backward
         super().setup(trainer)
         cfg = self.parallel_config
         module = self.lightning_module

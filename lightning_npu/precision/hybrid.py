@@ -159,6 +159,9 @@ class HybridPrecision(Precision):
         self.skipped_steps = 0
         self.last_grad_norm: Optional[Tensor] = None
         self._pl_module: Optional[nn.Module] = None
+        # the npu_hybrid strategy's part of a backward (`NPUHybridStrategy._layout_backward`): runs the module's
+        # `backward` hook it is given (or the pipeline's gradients), then the gradient sync; None: the hook alone
+        self.layout_backward: Optional[Callable[[Callable[[], None]], None]] = None
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -235,6 +238,16 @@ class HybridPrecision(Precision):
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
         tensor = super().pre_backward(tensor, module)  # `on_before_backward` sees the training loss, not loss x scale
         return tensor * self.scaler.scale if self.scaler is not None else tensor
+
+    def backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """The LightningModule's `backward` hook (Lightning's), run by the strategy's layout (`layout_backward`)."""
+        def module_backward() -> None:
+            super(HybridPrecision, self).backward(tensor, model, optimizer, *args, **kwargs)
+
+        if self.layout_backward is None:
+            module_backward()
+        else:
+            self.layout_backward(module_backward)
 
     def optimizer_step(  # type: ignore[override]
         self,
