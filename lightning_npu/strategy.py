@@ -47,6 +47,7 @@ from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import (
     MixedPrecisionOptimizer,
     masters_as_parameters,
+    refuse_shared_parameters,
     unwrap_optimizer,
     wrap_lr_schedulers,
 )
@@ -381,6 +382,12 @@ class NPUHybridStrategy(DDPStrategy):
         gradient statistics sum over; step-interval LR schedulers skip after a skipped step."""
         plugin, cfg = self.precision_plugin, self.parallel_config
         scaler, pp_group = getattr(plugin, "scaler", None), gn.pipeline_group(self.device_mesh)
+        master_weights = bool(getattr(plugin, "master_weights", False))
+        user = [o for o in map(unwrap_optimizer, self.optimizers) if not isinstance(o, MixedPrecisionOptimizer)]
+        if cfg.uses_distributed_optimizer:
+            refuse_shared_parameters(user, half_only=False, layout="zero_stage=1")
+        elif master_weights:
+            refuse_shared_parameters(user, half_only=True, layout=f"precision={plugin.precision!r} (master weights)")
         wrappers: dict[int, MixedPrecisionOptimizer] = {}
         for optimizer in map(unwrap_optimizer, self.optimizers):
             if isinstance(optimizer, MixedPrecisionOptimizer):
@@ -392,8 +399,7 @@ class NPUHybridStrategy(DDPStrategy):
                     compressor=self._grad_sync.compressor,
                 )
             else:
-                wrappers[id(optimizer)] = MixedPrecisionOptimizer(
-                    optimizer, scaler, pp_group, master_weights=bool(getattr(plugin, "master_weights", False)))
+                wrappers[id(optimizer)] = MixedPrecisionOptimizer(optimizer, scaler, pp_group, master_weights=master_weights)
         self.optimizers = list(wrappers.values())
         wrap_lr_schedulers(self.lr_scheduler_configs, wrappers)
         if self._grad_sync.compressor is not None:  # frozen_variance (1-bit Adam) steps Adam through the compressor

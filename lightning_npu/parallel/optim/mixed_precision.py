@@ -50,6 +50,27 @@ def needs_closure(optimizer: Optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+def refuse_shared_parameters(optimizers: Iterable[Optimizer], half_only: bool, layout: str) -> None:
+    """Each wrapper steps its own fp32 copy of its parameters (ZeRO-1 slices, master weights): a parameter that two
+    optimizers step would be overwritten with the other's stale copy at every step, so it is refused.
+
+    `half_only`: only 16-bit parameters have copies (master weights); `layout` names the setting in the error.
+    """
+    owner: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for p in {id(p): p for g in optimizer.param_groups for p in g["params"]}.values():
+            if half_only and p.dtype not in _HALF:
+                continue
+            first = owner.setdefault(id(p), index)
+            if first != index:
+                raise ValueError(
+                    f"Optimizers {first} and {index} from `configure_optimizers` step the same parameter (shape "
+                    f"{tuple(p.shape)}); under {layout} each optimizer steps its own fp32 copy of its parameters, "
+                    "which the other's steps would overwrite. Give each optimizer its own parameters, or use "
+                    "zero_stage=0 with fp32 parameters (precision='32-true' or '*-mixed') or zero_stage 2/3."
+                )
+
+
 def _install_masters(optimizer: Optimizer) -> list[tuple[Tensor, nn.Parameter]]:
     """Put an fp32 master copy in place of every 16-bit parameter in `optimizer`'s groups (and state)."""
     mapping: dict[int, nn.Parameter] = {}
