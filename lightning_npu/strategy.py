@@ -19,6 +19,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -392,6 +393,8 @@ class NPUHybridStrategy(DDPStrategy):
         for optimizer in map(unwrap_optimizer, self.optimizers):
             if isinstance(optimizer, MixedPrecisionOptimizer):
                 wrappers[id(optimizer)] = optimizer
+            elif isinstance(optimizer, _MockOptimizer):  # `configure_optimizers` returned None: nothing to shard
+                wrappers[id(optimizer)] = MixedPrecisionOptimizer(optimizer, scaler, pp_group)
             elif cfg.uses_distributed_optimizer:
                 wrappers[id(optimizer)] = DistributedOptimizer(
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
@@ -504,7 +507,15 @@ class NPUHybridStrategy(DDPStrategy):
         with self._masters_as_parameters():
             return ckpt.model_state_dict(self.lightning_module, [unwrap_optimizer(o) for o in self.optimizers])
 
+    @property
+    def _without_optimizer(self) -> bool:
+        """`configure_optimizers` returned None (Lightning's `_MockOptimizer`): no optimizer state to save or load."""
+        return bool(self.optimizers) and all(
+            isinstance(getattr(unwrap_optimizer(o), "optimizer", None), _MockOptimizer) for o in self.optimizers)
+
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._without_optimizer:
+            return {}  # Lightning's empty state for its mock optimizer (no parameters to key by name)
         if self.saves_single_file:  # torch's format with full tensors (a collective)
             return full_optimizer_state_dict(self.lightning_module, optimizer)
         with self._masters_as_parameters():
@@ -544,7 +555,8 @@ class NPUHybridStrategy(DDPStrategy):
             self._load_compression_state(loaded)
             return loaded
         with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
-            loaded = ckpt.load_directory(path, module, [unwrap_optimizer(o) for o in self.optimizers], module.strict_loading,
+            optimizers = [] if self._without_optimizer else [unwrap_optimizer(o) for o in self.optimizers]
+            loaded = ckpt.load_directory(path, module, optimizers, module.strict_loading,
                                        pipelined=self._pipeline is not None)
         self._load_compression_state(loaded)
         return loaded
@@ -575,7 +587,7 @@ class NPUHybridStrategy(DDPStrategy):
                            "the warm-up step counts carry over.")
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._restored_from_file:
+        if not self._restored_from_file or self._without_optimizer:
             return
         checkpoint = ckpt_format.own_optimizer_states(self.lightning_module, self.optimizers, dict(checkpoint))
         if is_fully_sharded(self.lightning_module):  # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards
