@@ -192,6 +192,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._buffer_sync: Any = None
         self._ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
         self._restored_from_file = False
+        self._bound_metrics: list[Any] = []  # the torchmetrics `Metric`s `setup` gave the dp group
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -431,7 +432,7 @@ class NPUHybridStrategy(DDPStrategy):
         if cfg.pipeline_parallel_size > 1 and (self._pipeline is None or self._pipeline.module is not module):
             # validate/test/predict without fit: split here (no gradients to synchronise)
             self._pipeline = apply_pp(module, self.device_mesh, cfg, self._plan_pipeline(), self.root_device)
-        reduction.bind_metrics(module, self.device_mesh)  # torchmetrics sync over dp, like `reduce`
+        self._bound_metrics = reduction.bind_metrics(module, self.device_mesh)  # torchmetrics sync over dp, like `reduce`
 
     def _module_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """A LightningModule that is itself an FSDP2 unit (ZeRO 2/3, parameters held directly) runs the step
@@ -609,6 +610,19 @@ class NPUHybridStrategy(DDPStrategy):
         if self._ckpt_writer is not None:
             ckpt.finalize_at_teardown(self._ckpt_writer)
         super().teardown()
+        self._release_process_groups()
+
+    def _release_process_groups(self) -> None:
+        """Drop what holds process groups that the next fit makes again, as DDPStrategy drops its DDP wrapper, so
+        that the module and the trainer pickle after fit (``torch.save(trainer)``): the gradient sync (DDP's comm
+        hook state), the buffer broadcast and the dp group given to the module's metrics. The gradient
+        compressor's state stays (a checkpoint saved after fit holds it)."""
+        compressor = self._grad_sync.compressor
+        self._grad_sync = GradientSync()
+        self._grad_sync.compressor = compressor
+        self._buffer_sync = None
+        reduction.unbind_metrics(self._bound_metrics)
+        self._bound_metrics = []
 
     def model_to_device(self) -> None:
         assert self.model is not None

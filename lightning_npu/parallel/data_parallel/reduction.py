@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 
-__all__ = ["all_gather", "bind_metrics", "full_value", "reduce", "replica_group"]
+__all__ = ["all_gather", "bind_metrics", "full_value", "reduce", "replica_group", "unbind_metrics"]
 
 
 def replica_group(mesh: Optional[DeviceMesh]) -> Optional[dist.ProcessGroup]:
@@ -77,18 +77,25 @@ def all_gather(tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bo
     return _all_gather_ddp_if_available(full_value(tensor), group, sync_grads)
 
 
-def bind_metrics(module: nn.Module, mesh: Optional[DeviceMesh]) -> int:
-    """Give every torchmetrics ``Metric`` in `module` without a ``process_group`` the dp group; returns how many."""
+def bind_metrics(module: nn.Module, mesh: Optional[DeviceMesh]) -> list[Any]:
+    """Give every torchmetrics ``Metric`` in `module` without a ``process_group`` the dp group; returns those metrics
+    (for `unbind_metrics`)."""
     group = replica_group(mesh)
     if group is None:
-        return 0
+        return []
     try:
         from torchmetrics import Metric
     except ImportError:  # torchmetrics is a dependency, but a module without metrics needs nothing
-        return 0
-    bound = 0
+        return []
+    bound = []
     for m in module.modules():
         if isinstance(m, Metric) and getattr(m, "process_group", None) is None:
             m.process_group = group
-            bound += 1
+            bound.append(m)
     return bound
+
+
+def unbind_metrics(metrics: list[Any]) -> None:
+    """Undo `bind_metrics` (at teardown): a process group cannot be pickled, so the module could not be saved."""
+    for m in metrics:
+        m.process_group = None
