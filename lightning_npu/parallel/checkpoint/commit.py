@@ -413,4 +413,6 @@ def resolve_checkpoint_path(path: PathLike, is_loadable: Any = None) -> Path:
         if is_loadable is None or is_loadable(candidate):
             log.warning(f"Checkpoint {path} is missing; loading {candidate}, set aside by an interrupted overwrite.")
             return candidate
-    raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+    # Lightning's words first (scripts and tests match on them), then ours
+    raise FileNotFoundError(f"Checkpoint file not found: {path} (it does not exist, and no complete copy was set "
+                            "aside by an interrupted overwrite).")
