@@ -141,20 +141,32 @@ class GradientBuckets:
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
         self.shard = shard
-        rank = dp_mesh.get_local_rank() if shard else 0
+        self.bucket_size_mb = bucket_size_mb
+        self.overlap = overlap
+        self._rank = dp_mesh.get_local_rank() if shard else 0
+        self.params: list[nn.Parameter] = []
+        self.buckets: list[_Bucket] = []
+        self.slice_of: dict[int, tuple[_Bucket, _Slice]] = {}
+        self.enabled = True
+        self._hooks: list[Any] = []
+        self.add(params)
+
+    def add(self, params: list[nn.Parameter]) -> list[_Bucket]:
+        """Bucket `params` (at construction, and for an optimizer's `add_param_group`); returns the new buckets, which
+        reduce after the existing ones (one fixed order on every rank)."""
         device = params[0].device if params else torch.device("cpu")
-        self.params = params
         # buckets are homogeneous in dtype and compression spec (per-module globs): each is reduced one way
-        spec_of = compressor.spec_of if compressor is not None else (lambda p: None)
-        self.buckets = _make_buckets(params, bucket_size_mb, self.dp if shard else 1, rank, device, spec_of)
-        for bucket in self.buckets:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
+        spec_of = self.compressor.spec_of if self.compressor is not None else (lambda p: None)
+        new = _make_buckets(params, self.bucket_size_mb, self.dp if self.shard else 1, self._rank, device, spec_of)
+        for bucket in new:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
             if bucket.replicated:
                 bucket.spec = None
-        self.slice_of: dict[int, tuple[_Bucket, _Slice]] = {
-            id(s.param): (b, s) for b in self.buckets for s in b.slices}
-        self.enabled = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in params if p.requires_grad] if overlap else []
+        self.params.extend(params)
+        self.buckets.extend(new)
+        self.slice_of.update({id(s.param): (b, s) for b in new for s in b.slices})
+        if self.overlap:
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if p.requires_grad]
+        return new
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.enabled:

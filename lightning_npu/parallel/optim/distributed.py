@@ -110,28 +110,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                             compressor=compressor)
         self.buckets = self.grad_buckets.buckets
         # this rank's fp32 master rows of each bucket (the slice is the master copy, whatever the parameters' dtype)
-        self.masters = [torch.zeros_like(b.grad) for b in self.buckets]
+        self.masters: list[torch.Tensor] = []
         self._shard_of: dict[int, nn.Parameter] = {}  # model param id -> master DTensor parameter
         self._grad_of: dict[int, DTensor] = {}
         self._model_grad_of: dict[int, DTensor] = {}
-        for bucket, flat in zip(self.buckets, self.masters):
-            for s in bucket.slices:
-                with torch.no_grad():
-                    bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
-                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated))
-                tensor_state(master).master = True  # checkpoints store it in place of the parameter
-                self._shard_of[id(s.param)] = master
-                self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param,
-                                                           bucket.replicated)
-                if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
-                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param,
-                                                                        bucket.replicated)
-
         # the public groups hold the DTensor slices (what schedulers, clipping, guards and checkpoints see); the
         # user's optimizer class steps plain views of the same storage: DTensor dispatch per foreach op cost ~6x
         # the AdamW step itself on the example GPT
-        self._local_of: dict[int, nn.Parameter] = {
-            id(m): nn.Parameter(m.to_local(), requires_grad=m.requires_grad) for m in self._shard_of.values()}
+        self._local_of: dict[int, nn.Parameter] = {}
+        self._add_masters(self.buckets)
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -151,6 +138,48 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.inner.state  # keyed by the local views: plain tensors of this rank's slices
         self.defaults = self.optimizer.defaults
+
+    @torch.no_grad()
+    def _add_masters(self, buckets: list[Any]) -> None:
+        """This rank's fp32 master slices of the parameters in `buckets`, their DTensor views and local views."""
+        for bucket in buckets:
+            flat = torch.zeros_like(bucket.grad)
+            self.masters.append(flat)
+            for s in bucket.slices:
+                bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
+                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated))
+                tensor_state(master).master = True  # checkpoints store it in place of the parameter
+                self._shard_of[id(s.param)] = master
+                self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param,
+                                                           bucket.replicated)
+                if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
+                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param,
+                                                                        bucket.replicated)
+                self._local_of[id(master)] = nn.Parameter(master.to_local(), requires_grad=master.requires_grad)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A new group while training (Lightning's `BaseFinetuning` unfreezing layers): its parameters get their own
+        gradient buckets and fp32 master slices, the user's optimizer class steps them with the group's
+        hyper-parameters (its defaults fill the rest), and the user's optimizer shows the group, so that LR
+        schedulers and `LearningRateMonitor` see it. Collective-free, but every dp rank must add the same group."""
+        if "optimizer" not in vars(self):  # torch's Optimizer.__init__ adds the placeholder group
+            return Optimizer.add_param_group(self, param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unknown = [p for p in params if id(p) not in self.fqn]
+        if unknown:
+            raise ValueError(
+                f"add_param_group: {len(unknown)} parameter(s) are not parameters of the LightningModule; ZeRO-1 needs "
+                "every optimized tensor to be a module parameter (register it, or use zero_stage=0)."
+            )
+        if len({id(p) for p in params}) != len(params) or any(id(p) in self._shard_of for p in params):
+            raise ValueError("add_param_group: a parameter appears in more than one optimizer param group.")
+        self._add_masters(self.grad_buckets.add(params))
+        self.model_params.extend(params)
+        hparams = {k: v for k, v in param_group.items() if k != "params"}
+        self.inner.add_param_group({**hparams, "params": [self._local_of[id(self._shard_of[id(p)])] for p in params]})
+        hparams = {k: v for k, v in self.inner.param_groups[-1].items() if k != "params"}  # with the defaults
+        self.param_groups.append({**hparams, "params": [self._shard_of[id(p)] for p in params]})
 
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False) -> DTensor:

@@ -71,11 +71,13 @@ def refuse_shared_parameters(optimizers: Iterable[Optimizer], half_only: bool, l
                 )
 
 
-def _install_masters(optimizer: Optimizer) -> list[tuple[Tensor, nn.Parameter]]:
-    """Put an fp32 master copy in place of every 16-bit parameter in `optimizer`'s groups (and state)."""
+def _install_masters(optimizer: Optimizer, groups: Optional[list[dict[str, Any]]] = None,
+                     ) -> list[tuple[Tensor, nn.Parameter]]:
+    """Put an fp32 master copy in place of every 16-bit parameter in `optimizer`'s groups (or `groups`, and state)."""
     mapping: dict[int, nn.Parameter] = {}
     pairs: list[tuple[Tensor, nn.Parameter]] = []
-    for group in optimizer.param_groups:
+    groups = optimizer.param_groups if groups is None else groups
+    for group in groups:
         for p in group["params"]:
             if p.dtype in _HALF and id(p) not in mapping:
                 master = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
@@ -86,7 +88,7 @@ def _install_masters(optimizer: Optimizer) -> list[tuple[Tensor, nn.Parameter]]:
         return pairs
     if optimizer.state:
         optimizer.state = type(optimizer.state)({mapping.get(id(p), p): s for p, s in optimizer.state.items()})
-    for group in optimizer.param_groups:
+    for group in groups:
         group["params"] = [mapping.get(id(p), p) for p in group["params"]]
     return pairs
 
@@ -115,6 +117,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self.scaler = scaler
         self.pp_group = pp_group
         # (16-bit model parameter, fp32 master) for each parameter the user's optimizer steps as a master
+        self.master_weights = master_weights
         self.master_pairs = _install_masters(optimizer) if master_weights else []
         self.steps = 0  # training steps taken or skipped (what `SkippableLRScheduler` compares against)
         self.step_skipped = False  # the last training step's overflow decision
@@ -135,6 +138,16 @@ class MixedPrecisionOptimizer(Optimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A new group while training (Lightning's `BaseFinetuning` unfreezing layers) goes to the user's optimizer,
+        whose groups this wrapper shares (LR schedulers and `LearningRateMonitor` see it); its 16-bit parameters get
+        fp32 master copies, as those of the first groups did."""
+        if "optimizer" not in vars(self):  # torch's Optimizer.__init__ adds the placeholder group
+            return Optimizer.add_param_group(self, param_group)
+        self.optimizer.add_param_group(param_group)
+        if self.master_weights:
+            self.master_pairs.extend(_install_masters(self.optimizer, self.optimizer.param_groups[-1:]))
 
     def main_params(self) -> list[Tensor]:
         """What the step updates, in the optimizer's order: fp32 masters, ZeRO-1 slices or the fp32 parameters."""
