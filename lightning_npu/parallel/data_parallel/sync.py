@@ -8,8 +8,8 @@ gradient compression and a hierarchical all-reduce wrap.
 ===============  ============================================  ===============================================
 layout           who launches the bucket reductions            `finish()`
 ===============  ============================================  ===============================================
-zero 0, pp = 1   DDP's reducer (C++ buckets overlapped with    nothing left: DDP waited inside backward
-                 backward), its comm hook calls `reduce_bucket`
+zero 0, pp = 1   DDP's reducer (C++ buckets overlapped with    DDP waited inside backward; what was unfrozen
+                 backward), its comm hook calls `reduce_bucket`  after DDP wrapped the model: all-reduce it
 zero 0, pp > 1   `GradientBuckets` (all-reduce), from each     launch the rest, wait, average into `.grad`
                  stage's last backward in the schedule
 zero 1           `GradientBuckets` (reduce-scatter), from      launch the rest, wait, average; the optimizer
@@ -317,9 +317,32 @@ class DDPGradientSync(GradientSync):
         self.compressor = compressor
         ddp.register_comm_hook(_HookState(ddp.process_group, fp32 or compressor is not None, compressor, hierarchy),
                                _ddp_comm_hook)
+        # DDP reduces only what required grad when it wrapped the model (or what it was told to ignore); a parameter
+        # unfrozen later (Lightning's BaseFinetuning) would keep each rank's own gradient, so `finish` reduces it
+        ignored = set(ddp.parameters_to_ignore)
+        self._known = {id(p) for n, p in ddp.module.named_parameters() if p.requires_grad or n in ignored}
 
     def _communicate(self, enabled: bool) -> None:
         self.ddp.require_backward_grad_sync = enabled  # what DDP's own no_sync() toggles
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Average the gradients of the parameters unfrozen after DDP wrapped the model (DDP reduced the rest inside
+        backward): one fp32 all-reduce (uncompressed), a missing gradient counted as zeros on that rank."""
+        late = [p for p in self.ddp.module.parameters() if p.requires_grad and id(p) not in self._known]
+        if not late:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in late])
+        dist.all_reduce(flat, group=self.ddp.process_group)
+        flat.div_(dist.get_world_size(self.ddp.process_group))
+        offset = 0
+        for p in late:
+            grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.copy_(grad)
 
 
 class _HookState:
