@@ -19,6 +19,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -374,6 +375,13 @@ class NPUHybridStrategy(DDPStrategy):
             self._grad_sync.finish()
 
     def setup_optimizers(self, trainer: Any) -> None:
+        finetuning = [type(c).__name__ for c in getattr(trainer, "callbacks", ()) if isinstance(c, BaseFinetuning)]
+        if finetuning and self.parallel_config.uses_distributed_optimizer:
+            raise ValueError(
+                f"Lightning's BaseFinetuning ({finetuning[0]}) names the parameters in `optimizer.param_groups` by the "
+                "module's parameters, but under zero_stage=1 the groups hold each rank's fp32 slices of them. Use "
+                "zero_stage=3 (or 2, or 0), or unfreeze and call `optimizer.add_param_group` from your own callback."
+            )
         super().setup_optimizers(trainer)
         self._wrap_optimizers()
         self._grad_sync.bind(self._distributed_optimizers(), self._pipeline)
