@@ -88,8 +88,8 @@ def _install_masters(optimizer: Optimizer, groups: Optional[list[dict[str, Any]]
         return pairs
     if optimizer.state:
         optimizer.state = type(optimizer.state)({mapping.get(id(p), p): s for p, s in optimizer.state.items()})
-    for group in groups:
-        group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+    for group in groups:  # in place: LBFGS steps the list it took from its first group
+        group["params"][:] = [mapping.get(id(p), p) for p in group["params"]]
     return pairs
 
 
