@@ -531,7 +531,8 @@ class NPUHybridStrategy(DDPStrategy):
             return ckpt.optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        request = ckpt.commit_request(storage_options, type(self).__name__)
+        request = ckpt.commit_request(storage_options, type(self).__name__, self.saves_single_file)
+        io_options = storage_options if request is None else None  # the CheckpointIO plugin's (single files)
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(new_token())
         checkpoint = self._with_compression_state(checkpoint)  # collective
@@ -540,7 +541,7 @@ class NPUHybridStrategy(DDPStrategy):
         if self.saves_single_file:
             checkpoint = ckpt_format.set_loader_state_aside({**checkpoint, "lightning_npu": info})
             ckpt_format.save_file(checkpoint, path, token, self.is_global_zero, self.checkpoint_io, self.broadcast,
-                                  request)
+                                  request, io_options)
             return
         tensors, meta = ckpt.split_checkpoint(checkpoint)
         meta["lightning_npu"] = info

@@ -154,9 +154,11 @@ def _synchronous(checkpoint_io: Any) -> Any:
 
 
 def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0: bool, checkpoint_io: Any,
-              agree: Callable[[Optional[str]], Optional[str]], request: Optional[_commit.CommitRequest] = None) -> None:
+              agree: Callable[[Optional[str]], Optional[str]], request: Optional[_commit.CommitRequest] = None,
+              storage_options: Any = None) -> None:
     """Collective. Rank 0 writes `checkpoint` (full tensors) to a temporary sibling and commits it as `final`;
-    `agree(message)` broadcasts rank 0's error message, so every rank raises (or not) together."""
+    `agree(message)` broadcasts rank 0's error message, so every rank raises (or not) together. `storage_options`
+    go to the CheckpointIO plugin, as Lightning passes them."""
     final = Path(final)
     request = request if request is not None else _commit.CommitRequest()
     tmp = _commit.temp_path(final, token)
@@ -167,7 +169,8 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 _commit.clean_stale(final.parent, names=[final.name])
-                _synchronous(checkpoint_io).save_checkpoint(checkpoint, tmp)
+                options = {} if storage_options is None else {"storage_options": storage_options}
+                _synchronous(checkpoint_io).save_checkpoint(checkpoint, tmp, **options)
                 request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
             except Exception as err:
                 _commit.remove_path(tmp)

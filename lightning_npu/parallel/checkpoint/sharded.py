@@ -531,13 +531,17 @@ def layout_metadata(cfg: Any, world_size: int, module: torch.nn.Module) -> dict[
     }
 
 
-def commit_request(storage_options: Any, strategy_name: str) -> Optional[CommitRequest]:
-    """`trainer.save_checkpoint(path, storage_options=CommitRequest(...))`: the callbacks' commit (and marker)."""
+def commit_request(storage_options: Any, strategy_name: str, single_file: bool = False) -> Optional[CommitRequest]:
+    """`trainer.save_checkpoint(path, storage_options=CommitRequest(...))`: the callbacks' commit (and marker). Other
+    `storage_options` are the CheckpointIO plugin's (None here), which writes single-file checkpoints only."""
     if storage_options is None or isinstance(storage_options, CommitRequest):
         return storage_options
+    if single_file:
+        return None
     raise TypeError(
-        f"`{strategy_name}.save_checkpoint(..., storage_options=...)` is not supported: sharded checkpoints are "
-        "written with torch.distributed.checkpoint, not the CheckpointIO plugin."
+        f"`{strategy_name}.save_checkpoint(..., storage_options=...)` reaches the CheckpointIO plugin only for a "
+        "single-file checkpoint: this one is a sharded directory, written with torch.distributed.checkpoint. Pass "
+        "save_distributed_checkpoint=False for one file, or drop storage_options."
     )
 
 
