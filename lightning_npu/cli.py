@@ -64,8 +64,8 @@ def convert_checkpoint(args: list[str]) -> None:
             print(f"wrote a transformers save_pretrained folder to {dst}")
             return
         checkpoint = load_checkpoint(src)
-    except (FileNotFoundError, RuntimeError, NotATransformersCheckpointError) as err:
-        parser.error(str(err))
+    except (OSError, RuntimeError, ValueError, EOFError, NotATransformersCheckpointError) as err:
+        _fail(f"{PROG} convert-checkpoint", err)
     import torch
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +84,14 @@ def convert_checkpoint(args: list[str]) -> None:
     else:
         torch.save(tensors, dst)
     print(f"wrote {len(tensors)} tensors ({sum(t.numel() for t in tensors.values()):,} values) to {dst}")
+
+
+def _fail(prog: str, err: BaseException) -> None:
+    """One line on stderr naming what failed, exit status 2 (as argparse's errors): a bad or unreadable
+    checkpoint is the user's input, not a bug to show a traceback for."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 # Commands that are not LightningCLI's: name -> (function of the remaining args, one-line help).
