@@ -41,7 +41,7 @@ class AtomicSaver:
         if self._pending:  # one write in flight at a time, like the strategies' own async writers
             self.poll(trainer, wait=True)
         token = broadcast(trainer, _store.new_token())
-        _commit.hold(token)
+        _commit.hold(token, final)
         tmp = _store.temp_path(final, token)
         trainer.save_checkpoint(str(tmp), weights_only=False)
         self._pending.append((tmp, final, meta, token))

@@ -6,6 +6,7 @@ package's one commit path; this module keeps the callbacks' names for them.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Union
 
@@ -15,6 +16,7 @@ from lightning_npu.parallel.checkpoint.commit import (  # noqa: F401  (re-export
     TMP_PREFIX,
     CheckpointCorruptedError,
     CheckpointInfo,
+    clean_leftovers,
     clean_stale,
     delete,
     latest_complete,
@@ -29,6 +31,7 @@ from lightning_npu.parallel.checkpoint.commit import (  # noqa: F401  (re-export
 )
 
 PathLike = Union[str, Path]
+CHECKPOINT_NAME = re.compile(r"step=\d{8,}\.ckpt")  # what `checkpoint_name` makes
 
 
 def checkpoint_name(step: int) -> str:

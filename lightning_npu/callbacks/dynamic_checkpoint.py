@@ -133,8 +133,11 @@ class DynamicCheckpoint(Checkpoint):
         self.dirpath = Path(dirpath)
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
-            for stale in _store.clean_stale(self.dirpath):  # left by crashed saves; live ones are kept
-                log.info("DynamicCheckpoint: removed %s, left by an interrupted save.", stale)
+            # left by crashed saves and prunes (temporaries, aside copies, unmarked checkpoints); live ones are kept
+            stale = _store.clean_leftovers(self.dirpath, _store.CHECKPOINT_NAME)
+            if stale:
+                log.warning("DynamicCheckpoint: removed %d leftover(s) of interrupted saves or prunes in %s: %s",
+                            len(stale), self.dirpath, ", ".join(p.name for p in stale))
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, TrackedAsyncCheckpointIO):
             trainer.strategy.checkpoint_io = TrackedAsyncCheckpointIO(trainer.strategy.checkpoint_io)
 

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 MARKER_SUFFIX = ".complete"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
+# a leftover whose owner cannot be told dead (another host, an older token) is stale once idle this long
+STALE_AFTER_S = 600.0
+# an unmarked checkpoint (crash between rename and marker, or during a prune) once idle this long: a live
+# commit writes its marker milliseconds after the rename
+UNMARKED_AFTER_S = 10.0
 PathLike = Union[str, Path]
 
 _TOKEN = r"\d+-[0-9a-f]{8}"
@@ -70,8 +76,13 @@ class CommitRequest:
 
 
 # ---- names and tokens -----------------------------------------------------------------------
+# 4 hex digits of the host name in every token: a leftover of this host whose process is gone is stale at once
+_HOST_TAG = f"{zlib.crc32(socket.gethostname().encode()) & 0xFFFF:04x}"
+
+
 def new_token() -> str:
-    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """``<pid>-<host tag><random>``: which process wrote a temporary, so that cleanup can tell it dead."""
+    return f"{os.getpid()}-{_HOST_TAG}{uuid.uuid4().hex[:4]}"
 
 
 def temp_path(final: PathLike, token: str) -> Path:
@@ -101,23 +112,73 @@ def _parse(name: str) -> Optional[tuple[str, str, str]]:
 
 
 _live: set[str] = set()
+_live_finals: dict[str, int] = {}  # final names of saves in flight here (unmarked between rename and marker)
 _live_lock = threading.Lock()
+_final_of: dict[str, str] = {}
 
 
-def hold(token: str) -> None:
-    """Mark a save in flight: :func:`clean_stale` leaves its temporary and aside copies alone."""
+def hold(token: str, final: Optional[PathLike] = None) -> None:
+    """Mark a save in flight: :func:`clean_stale` leaves its temporary and aside copies alone (and
+    :func:`clean_leftovers` its `final` checkpoint until its marker is written)."""
     with _live_lock:
         _live.add(token)
+        if final is not None:
+            name = Path(final).name
+            _final_of[token] = name
+            _live_finals[name] = _live_finals.get(name, 0) + 1
 
 
 def release(token: str) -> None:
     with _live_lock:
         _live.discard(token)
+        name = _final_of.pop(token, None)
+        if name is not None:
+            _live_finals[name] -= 1
+            if not _live_finals[name]:
+                del _live_finals[name]
 
 
 def _is_live(token: str) -> bool:
     with _live_lock:
         return token in _live
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # exists but not ours (PermissionError), or not a pid at all
+    return True
+
+
+def _owner_gone(token: str) -> bool:
+    """The save of `token` is known dead: a process of this host that no longer runs, or this process (whose
+    live saves are held)."""
+    pid, _, tag = token.partition("-")
+    if not tag.startswith(_HOST_TAG) or not pid.isdigit():
+        return False
+    return int(pid) == os.getpid() or not _pid_alive(int(pid))
+
+
+def _idle_s(path: Path) -> float:
+    """Seconds since anything at `path` (a file, or a directory and what it holds) last changed."""
+    try:
+        newest = path.lstat().st_mtime
+        if path.is_dir() and not path.is_symlink():
+            for p in path.rglob("*"):
+                try:
+                    newest = max(newest, p.lstat().st_mtime)
+                except OSError:
+                    pass
+    except OSError:
+        return float("inf")
+    return time.time() - newest
+
+
+def _stale(token: str, entry: Path) -> bool:
+    return not _is_live(token) and (_owner_gone(token) or _idle_s(entry) >= STALE_AFTER_S)
 
 
 # ---- filesystem helpers ---------------------------------------------------------------------
@@ -230,9 +291,11 @@ def delete(path: PathLike) -> None:
 def clean_stale(dirpath: PathLike, names: Optional[Iterable[str]] = None) -> list[Path]:
     """Remove temporaries and aside copies of saves that crashed (rank 0), except those of live saves.
 
-    An aside copy is removed only when its checkpoint exists again and is at least as trusted (marked, or
-    neither is); otherwise it is the last good copy and stays where discovery finds it. `names` limits the
-    cleanup to those checkpoint names.
+    A save is live while this process holds its token (:func:`hold`), or while its token names a process of
+    this host that still runs; a token of another host (or an older version) counts as dead once nothing in
+    it changed for `STALE_AFTER_S`. An aside copy is removed only when its checkpoint exists again and is at
+    least as trusted (marked, or neither is); otherwise it is the last good copy and stays where discovery
+    finds it. `names` limits the cleanup to those checkpoint names.
     """
     dirpath = Path(dirpath)
     if not dirpath.is_dir():
@@ -245,7 +308,7 @@ def clean_stale(dirpath: PathLike, names: Optional[Iterable[str]] = None) -> lis
         if parsed is None or entry.name.endswith(MARKER_SUFFIX):
             continue
         kind, final_name, token = parsed
-        if (only is not None and final_name not in only) or _is_live(token):
+        if (only is not None and final_name not in only) or not _stale(token, entry):
             continue
         if kind == "old":
             final = dirpath / final_name
@@ -258,6 +321,30 @@ def clean_stale(dirpath: PathLike, names: Optional[Iterable[str]] = None) -> lis
             marker_path(entry).unlink(missing_ok=True)
         remove_path(entry)
         removed.append(entry)
+    return removed
+
+
+def clean_leftovers(dirpath: PathLike, unmarked: "re.Pattern[str]") -> list[Path]:
+    """:func:`clean_stale`, plus the checkpoints named like `unmarked` that have no marker (a crash between
+    rename and marker, or half way through :func:`delete`) and markers whose checkpoint is gone. For a folder
+    whose every checkpoint is marked (DynamicCheckpoint's): there, an unmarked one was never trusted."""
+    dirpath = Path(dirpath)
+    removed = clean_stale(dirpath)
+    if not dirpath.is_dir():
+        return removed
+    with _live_lock:
+        live_finals = set(_live_finals)
+    for entry in sorted(dirpath.iterdir()):
+        if entry.name.endswith(MARKER_SUFFIX):
+            target = entry.with_name(entry.name[: -len(MARKER_SUFFIX)])
+            if unmarked.fullmatch(target.name) and not _exists(target) and not _asides(target) \
+                    and target.name not in live_finals and _idle_s(entry) >= UNMARKED_AFTER_S:
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+        elif unmarked.fullmatch(entry.name) and not marker_path(entry).exists() \
+                and entry.name not in live_finals and _idle_s(entry) >= UNMARKED_AFTER_S:
+            remove_path(entry)
+            removed.append(entry)
     return removed
 
 

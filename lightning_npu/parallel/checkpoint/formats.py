@@ -160,7 +160,7 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
     final = Path(final)
     request = request if request is not None else _commit.CommitRequest()
     tmp = _commit.temp_path(final, token)
-    _commit.hold(token)
+    _commit.hold(token, final)
     message: Optional[str] = None
     try:
         if is_rank0:
