@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
 from lightning_npu.callbacks import DynamicCheckpoint
-from lightning_npu.callbacks._store import list_complete
+from lightning_npu.callbacks._store import CheckpointCorruptedError, list_complete, verify_marked
 from lightning_npu.doctor import command as doctor_command
 from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
 from lightning_npu.parallel.checkpoint.formats import load_checkpoint
@@ -63,7 +64,7 @@ def convert_checkpoint(args: list[str]) -> None:
             export_hf(src, dst)
             print(f"wrote a transformers save_pretrained folder to {dst}")
             return
-        checkpoint = load_checkpoint(src)
+        checkpoint = load_checkpoint(src)  # verified against its marker first, where it has one
     except (OSError, RuntimeError, ValueError, EOFError, NotATransformersCheckpointError) as err:
         _fail(f"{PROG} convert-checkpoint", err)
     import torch
@@ -186,6 +187,7 @@ def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
             found = DynamicCheckpoint.find_latest(dirpath)
             if found is not None:
                 candidates[found] = Path(found).stat().st_mtime
+    verified = set(candidates)
     for cb in trainer.callbacks:
         if not isinstance(cb, ModelCheckpoint):
             continue
@@ -201,8 +203,16 @@ def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
                 if path.is_dir() and not (path / "meta.pt").is_file():
                     continue  # not a sharded checkpoint
                 candidates[str(path)] = path.stat().st_mtime
-    latest = max(candidates, key=candidates.get) if candidates else None
-    return latest, list(dict.fromkeys(searched))
+    # newest first; one with a marker (npu_hybrid writes one for every checkpoint) must match it
+    for path in sorted(candidates, key=candidates.get, reverse=True):
+        if path in verified:
+            return path, list(dict.fromkeys(searched))
+        try:
+            verify_marked(path)
+            return path, list(dict.fromkeys(searched))
+        except CheckpointCorruptedError as err:
+            rank_zero_warn(f"{err} Falling back to an earlier checkpoint.")
+    return None, list(dict.fromkeys(searched))
 
 
 class NPUCLI(LightningCLI):

@@ -28,6 +28,7 @@ from lightning_npu.parallel.checkpoint.commit import (  # noqa: F401  (re-export
     remove_path,
     temp_path,
     verify,
+    verify_marked,
 )
 
 PathLike = Union[str, Path]
@@ -38,6 +39,6 @@ def checkpoint_name(step: int) -> str:
     return f"step={step:08d}.ckpt"
 
 
-def commit(tmp: PathLike, final: PathLike, meta: dict[str, Any], checksum: bool = False) -> Path:
+def commit(tmp: PathLike, final: PathLike, meta: dict[str, Any], checksum: bool = True) -> Path:
     """Commit a fully written checkpoint with its marker (rank 0 only); see `lightning_npu.parallel.checkpoint.commit`."""
     return _commit.commit(tmp, final, new_token(), marker=meta, checksum=checksum)

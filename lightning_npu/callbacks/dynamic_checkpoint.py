@@ -57,7 +57,9 @@ class DynamicCheckpoint(Checkpoint):
         async_save: write in a background thread (wraps the strategy's checkpoint IO); the commit
             happens at the first step boundary after every rank's write finished. With npu_hybrid use
             ``NPUHybridStrategy(async_save=True)`` instead: its checkpoints are committed as soon as written.
-        checksum: record a CRC32 of every file, verified at resume (reads each checkpoint once more).
+        checksum: record a CRC32 of every file (besides its size), verified by discovery and by every load.
+            npu_hybrid computes the shards' CRC32s while writing them; other strategies' files are read once more
+            at the commit. ``LIGHTNING_NPU_CHECKSUM=0`` turns CRC32s off everywhere (sizes stay).
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class DynamicCheckpoint(Checkpoint):
         save_on_train_end: bool = True,
         keep_last_k: Optional[int] = 3,
         async_save: bool = False,
-        checksum: bool = False,
+        checksum: bool = True,
     ) -> None:
         phase_fractions = check_numbers("DynamicCheckpoint", "phase_fractions", phase_fractions, "(0.1, 0.8)")
         intervals = check_numbers("DynamicCheckpoint", "intervals", intervals, "(500, 2000, 5000)")

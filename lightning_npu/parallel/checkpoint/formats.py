@@ -13,17 +13,20 @@ Two forms, chosen by the strategy's ``save_distributed_checkpoint`` (Lightning's
 The default (``None`` / ``"auto"``) is the file where every dp rank holds full tensors anyway (pp = 1,
 tp = 1, ZeRO 0/1, where only ZeRO-1's optimizer slices need gathering), the directory otherwise and whenever
 ``async_save=True`` (background writes are DCP's).
-:func:`load_checkpoint` returns Lightning's checkpoint dict for either form in one plain process.
+:func:`load_checkpoint` returns Lightning's checkpoint dict for either form in one plain process, after checking
+every file against the size and CRC32 its marker recorded (`commit.verify_marked`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch import nn
 
 from lightning_npu.parallel.checkpoint import commit as _commit
@@ -142,15 +145,38 @@ def restore_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
+def default_marker(checkpoint: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The marker of a checkpoint no callback asked a marker for (``trainer.save_checkpoint``, ModelCheckpoint):
+    every npu_hybrid checkpoint records its files' sizes and CRC32s."""
+    return {"step": int(checkpoint.get("global_step") or 0), "epoch": checkpoint.get("epoch"),
+            "reason": "save_checkpoint", "world_size": world_size, "run": None}
+
+
 # ---- writing one file --------------------------------------------------------------------------
 def _synchronous(checkpoint_io: Any) -> Any:
     """The IO plugin behind an async wrapper (e.g. `DynamicCheckpoint(async_save=True)`'s): the commit follows the
     write at once, so the file must be complete when `save_checkpoint` returns."""
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
     while isinstance(checkpoint_io, AsyncCheckpointIO):
         checkpoint_io = checkpoint_io.checkpoint_io
     return checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+
+
+def _write(checkpoint: dict[str, Any], tmp: Path, checkpoint_io: Any, checksum: bool) -> Optional[dict[str, Any]]:
+    """Write the file; returns its manifest entry when it was checksummed on the way (None: the commit reads it).
+
+    Lightning's default IO (``torch.save`` of the dict) is done here, streamed through a `ChecksumStream` and
+    fsynced before the commit renames it: the same bytes, without reading them back for the CRC32. A custom IO
+    plugin writes as it likes."""
+    io = _synchronous(checkpoint_io)
+    if type(io) is not TorchCheckpointIO:
+        io.save_checkpoint(checkpoint, tmp)
+        return None
+    with open(tmp, "wb") as f:
+        stream = _commit.ChecksumStream(f, checksum and _commit.checksums_enabled())
+        torch.save(checkpoint, stream)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"": stream.entry()}
 
 
 def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0: bool, checkpoint_io: Any,
@@ -167,8 +193,8 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 _commit.clean_stale(final.parent, names=[final.name])
-                _synchronous(checkpoint_io).save_checkpoint(checkpoint, tmp)
-                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
+                known = _write(checkpoint, tmp, checkpoint_io, request.checksum and request.marker is not None)
+                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum, known=known)
             except Exception as err:
                 _commit.remove_path(tmp)
                 message = (f"Writing the checkpoint {str(final)!r} failed: {err!r}. A previous checkpoint at that path "
@@ -195,6 +221,7 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
     ``model.load_state_dict(lightning_npu.load_checkpoint(path)["state_dict"])``.
     """
     path = sharded.resolve_checkpoint_path(path)
+    _commit.verify_marked(path)  # sizes and CRC32s, where the checkpoint has a marker
     if path.is_file():
         return ckpt.safe_torch_load(path)
     if not sharded.is_sharded_checkpoint(path):
