@@ -504,12 +504,15 @@ class NPUHybridStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every checkpoint is committed with a marker recording its files' sizes and CRC32s (a callback's
-        `CommitRequest`, or the default one)."""
+        `CommitRequest`, or the default one); one saved after fit keeps the epoch it stopped in open."""
         request = ckpt.commit_request(storage_options, type(self).__name__)
         if request is None:  # ModelCheckpoint, trainer.save_checkpoint
             request = CommitRequest(marker=ckpt_format.default_marker(checkpoint, self.world_size))
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(new_token())
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            checkpoint = ckpt_format.continue_epoch_after_fit(checkpoint, trainer.num_training_batches)
         checkpoint = self._with_compression_state(checkpoint)  # collective
         info = ckpt_format.checkpoint_metadata(self.parallel_config, self.world_size, self.lightning_module,
                                                self.optimizers, checkpoint, self.saves_single_file)  # collective

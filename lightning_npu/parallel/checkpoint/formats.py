@@ -145,6 +145,37 @@ def restore_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
+def continue_epoch_after_fit(checkpoint: dict[str, Any], num_training_batches: Any) -> dict[str, Any]:
+    """A checkpoint taken once fit stopped before the end of its epoch (`max_steps`, `max_time`, a stop request:
+    ``trainer.save_checkpoint`` after fit, a save at train end or epoch end) records the epoch as finished:
+    Lightning counts it processed (and completed) on the way out, so a later fit would start the next epoch at its
+    first sample. With a resumable train loader the checkpoint becomes what a save at that last batch holds, the
+    epoch in progress: a later fit with a larger `max_steps` goes on where the loader stopped, as an uninterrupted
+    run does. An epoch that reached its last batch (or `limit_train_batches`) is left finished."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit, dict):
+        return checkpoint
+    states = (fit.get("state_dict") or {}).get("combined_loader")
+    epochs, batches = fit.get("epoch_progress") or {}, fit.get("epoch_loop.batch_progress") or {}
+    try:
+        total, current, ready = epochs["total"], epochs["current"], batches["current"]["ready"]
+        closed = total["ready"] == total["started"] == total["processed"] >= 1
+        cut_short = not batches.get("is_last_batch") and 0 < ready < float(num_training_batches)
+    except (KeyError, TypeError, ValueError):
+        return checkpoint
+    if not (states and all(map(_is_resumable_loader_state, states)) and closed and cut_short):
+        return checkpoint
+    reopened = {}
+    for part in ("total", "current"):
+        progress = dict(epochs[part])
+        progress["processed"] = progress["started"] - 1
+        progress["completed"] = min(progress["completed"], progress["processed"])
+        reopened[part] = progress
+    loops = dict(checkpoint["loops"])
+    loops["fit_loop"] = {**fit, "epoch_progress": {**epochs, **reopened}}
+    return {**checkpoint, "loops": loops}
+
+
 def default_marker(checkpoint: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The marker of a checkpoint no callback asked a marker for (``trainer.save_checkpoint``, ModelCheckpoint):
     every npu_hybrid checkpoint records its files' sizes and CRC32s."""
