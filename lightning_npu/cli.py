@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import lightning_npu  # noqa: F401  (registers "npu" and "npu_hybrid")
 from lightning_npu.callbacks import DynamicCheckpoint
-from lightning_npu.callbacks._store import list_complete
+from lightning_npu.callbacks._store import CheckpointCorruptedError, list_complete, verify_marked
 from lightning_npu.config_file import ConfigFileError, config_paths, explain, read_config
 from lightning_npu.doctor import command as doctor_command
 from lightning_npu.extras import import_optional
@@ -68,9 +69,9 @@ def convert_checkpoint(args: list[str]) -> None:
             export_hf(src, dst)
             print(f"wrote a transformers save_pretrained folder to {dst}")
             return
-        checkpoint = load_checkpoint(src)
-    except (FileNotFoundError, RuntimeError, NotATransformersCheckpointError) as err:
-        parser.error(str(err))
+        checkpoint = load_checkpoint(src)  # verified against its marker first, where it has one
+    except (OSError, RuntimeError, ValueError, EOFError, NotATransformersCheckpointError) as err:
+        _fail(f"{PROG} convert-checkpoint", err)
     import torch
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +109,14 @@ def build_ops(args: list[str]) -> None:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         parser.exit(1, f"{PROG} build-ops: the fused C++ kernels could not be built: {first}\n")
     print(f"fused C++ kernels ready: {library}")
+
+
+def _fail(prog: str, err: BaseException) -> None:
+    """One line on stderr naming what failed, exit status 2 (as argparse's errors): a bad or unreadable
+    checkpoint is the user's input, not a bug to show a traceback for."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 # Commands that are not LightningCLI's: name -> (function of the remaining args, one-line help).
@@ -205,6 +214,7 @@ def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
             found = DynamicCheckpoint.find_latest(dirpath)
             if found is not None:
                 candidates[found] = Path(found).stat().st_mtime
+    verified = set(candidates)
     for cb in trainer.callbacks:
         if not isinstance(cb, ModelCheckpoint):
             continue
@@ -220,8 +230,16 @@ def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
                 if path.is_dir() and not (path / "meta.pt").is_file():
                     continue  # not a sharded checkpoint
                 candidates[str(path)] = path.stat().st_mtime
-    latest = max(candidates, key=candidates.get) if candidates else None
-    return latest, list(dict.fromkeys(searched))
+    # newest first; one with a marker (npu_hybrid writes one for every checkpoint) must match it
+    for path in sorted(candidates, key=candidates.get, reverse=True):
+        if path in verified:
+            return path, list(dict.fromkeys(searched))
+        try:
+            verify_marked(path)
+            return path, list(dict.fromkeys(searched))
+        except CheckpointCorruptedError as err:
+            rank_zero_warn(f"{err} Falling back to an earlier checkpoint.")
+    return None, list(dict.fromkeys(searched))
 
 
 class NPUCLI(LightningCLI):

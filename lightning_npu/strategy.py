@@ -28,10 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_npu import device as dev
+from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
 from lightning_npu.parallel.checkpoint import sharded as ckpt
-from lightning_npu.parallel.checkpoint.commit import new_token
+from lightning_npu.parallel.checkpoint.commit import CommitRequest, new_token
 from lightning_npu.parallel.checkpoint.full_state import (
     full_optimizer_state_dict,
     load_full_optimizer_state_dict,
@@ -531,10 +532,17 @@ class NPUHybridStrategy(DDPStrategy):
             return ckpt.optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every checkpoint is committed with a marker recording its files' sizes and CRC32s (a callback's
+        `CommitRequest`, or the default one); one saved after fit keeps the epoch it stopped in open."""
         request = ckpt.commit_request(storage_options, type(self).__name__, self.saves_single_file)
         io_options = storage_options if request is None else None  # the CheckpointIO plugin's (single files)
+        if request is None:  # ModelCheckpoint, trainer.save_checkpoint
+            request = CommitRequest(marker=ckpt_format.default_marker(checkpoint, self.world_size))
         path = Path(self.broadcast(str(filepath)))
         token = self.broadcast(new_token())
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            checkpoint = ckpt_format.continue_epoch_after_fit(checkpoint, trainer.num_training_batches)
         checkpoint = self._with_compression_state(checkpoint)  # collective
         info = ckpt_format.checkpoint_metadata(self.parallel_config, self.world_size, self.lightning_module,
                                                self.optimizers, checkpoint, self.saves_single_file)  # collective
@@ -545,18 +553,35 @@ class NPUHybridStrategy(DDPStrategy):
             return
         tensors, meta = ckpt.split_checkpoint(checkpoint)
         meta["lightning_npu"] = info
-        self._writer().save(tensors, meta, path, token, self.is_global_zero, self.barrier, request)
+        self._writer().save(tensors, meta, path, token, self.is_global_zero, self.broadcast, request)
 
     def finalize_checkpoints(self) -> None:
-        """Wait for an async save in flight (rank 0 commits it as soon as written); raise its error. Collective."""
+        """Wait for an async save in flight (rank 0 commits it as soon as written); raise its error on every rank.
+        Collective."""
         if self._ckpt_writer is not None:
-            self._ckpt_writer.finalize(self.barrier)
+            self._ckpt_writer.finalize(self.broadcast)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint's pruning: the marker goes first (`commit.delete`), so a crash half way leaves an
+        unmarked checkpoint, never a trusted broken one."""
+        if self.is_global_zero:
+            ckpt_commit.delete(filepath)
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory saved under any layout loads here in full; a single Lightning file is read here and
-        its full tensors are sharded by `load_model_state_dict`. Every file is read with ``weights_only=True``."""
+        its full tensors are sharded by `load_model_state_dict`. Every file is first checked against its marker
+        (sizes, CRC32s), then read with ``weights_only=True``."""
         self.finalize_checkpoints()
         path = ckpt.resolve_checkpoint_path(self.broadcast(str(checkpoint_path)))
+        # sizes and CRC32s against the marker, the ranks sharing the reading; all raise the same error
+        ckpt_commit.verify_for_load(path, self.global_rank, self.world_size, self._all_gather_object)
         self._restored_from_file = path.is_file()
         module = self.lightning_module
         if self._restored_from_file:

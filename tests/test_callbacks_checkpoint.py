@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import lightning as L
@@ -123,7 +124,16 @@ def test_directory_checkpoints_are_committed_whole(tmp_path):
     (src / ".metadata").write_bytes(b"y" * 3)
     final = _store.commit(src, tmp_path / "step=00000007.ckpt", {"step": 7})
     assert not src.exists() and final.is_dir()
-    assert _store.verify(final)["files"] == {".metadata": {"size": 3}, "shards/0.distcp": {"size": 10}}
+    # sizes and CRC32s by default (checksum=False: sizes only)
+    crc = {name: f"{zlib.crc32(data):08x}" for name, data in (("shards/0.distcp", b"x" * 10), (".metadata", b"y" * 3))}
+    assert _store.verify(final)["files"] == {".metadata": {"size": 3, "crc32": crc[".metadata"]},
+                                             "shards/0.distcp": {"size": 10, "crc32": crc["shards/0.distcp"]}}
+    other = tmp_path / "other"
+    other.mkdir()
+    (tmp_path / "sizes_only").mkdir()
+    (other / "a").write_bytes(b"z")
+    unchecked = _store.commit(other, tmp_path / "sizes_only" / "step=00000008.ckpt", {"step": 8}, checksum=False)
+    assert _store.verify(unchecked)["files"] == {"a": {"size": 1}}
     (final / "shards" / "0.distcp").write_bytes(b"x" * 4)
     with pytest.raises(CheckpointCorruptedError, match="0.distcp"):
         _store.verify(final)

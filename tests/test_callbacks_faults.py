@@ -101,19 +101,30 @@ def test_crash_while_writing_checkpoint_keeps_previous_and_resumes(tmp_path):
     assert not [p for p in ck.iterdir() if p.name.startswith(".tmp-")]  # cleaned after the next commit
 
 
-def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+@pytest.mark.parametrize("checksum", [True, False])
+def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, monkeypatch, caplog, checksum):
+    """Same-size corruption: the CRC32 (the default) lets discovery skip it, naming it; with
+    LIGHTNING_NPU_CHECKSUM=0 only loading can tell, and TrainingGuard sets it aside."""
+    if not checksum:
+        monkeypatch.setenv("LIGHTNING_NPU_CHECKSUM", "0")
     ref = _reference(tmp_path, 8)
     root = tmp_path / "run"
     model, trainer, guard = _guarded(root, 6)
     guard.fit(trainer, model)
     newest = root / "ck" / "step=00000006.ckpt"
     data = bytearray(newest.read_bytes())
-    data[100:400] = b"\0" * 300  # same size: only loading can tell
+    data[100:400] = b"\0" * 300  # same size
     newest.write_bytes(bytes(data))
     model, trainer, guard = _guarded(root, 8)
-    guard.fit(trainer, model)
-    events = [e for e in guard.events if e["event"] == "bad_checkpoint"]
-    assert len(events) == 1 and str(newest) in events[0]["reason"]
+    if checksum:
+        with caplog.at_level("WARNING", logger="lightning_npu.callbacks.recovery"):
+            guard.fit(trainer, model)
+        assert f"{newest} is corrupted: its CRC32 differs" in caplog.text
+        assert not [e for e in guard.events if e["event"] == "bad_checkpoint"], guard.events
+    else:
+        guard.fit(trainer, model)
+        events = [e for e in guard.events if e["event"] == "bad_checkpoint"]
+        assert len(events) == 1 and str(newest) in events[0]["reason"]
     torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=0, atol=0)
 
 

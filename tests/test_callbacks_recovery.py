@@ -89,33 +89,44 @@ def test_failing_dataloader_is_not_a_bad_checkpoint(tmp_path, monkeypatch):
     assert {k: after[k] for k in before} == before  # step=8 and older: the same bytes
 
 
-def test_no_silent_fresh_start_and_unusable_checkpoints_are_set_aside(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checksum", [True, False])
+def test_no_silent_fresh_start_and_unusable_checkpoints_are_set_aside(tmp_path, monkeypatch, checksum):
+    """Same-size garbage in both checkpoints. With CRC32s (the default) discovery rejects them both and the guard
+    gives up at once; with LIGHTNING_NPU_CHECKSUM=0 only loading can tell, one attempt per checkpoint."""
     monkeypatch.setattr(recovery.time, "sleep", lambda s: None)
+    if not checksum:
+        monkeypatch.setenv("LIGHTNING_NPU_CHECKSUM", "0")
     root = tmp_path / "run"
     _trainer(root, 4, TrainingGuard(save_initial=False)).fit(StepSeeded())
     ck = root / "ck"
-    for name in ("step=00000002.ckpt", "step=00000004.ckpt"):  # same size, garbage inside: only loading can tell
+    for name in ("step=00000002.ckpt", "step=00000004.ckpt"):  # same size, garbage inside
         data = bytearray((ck / name).read_bytes())
         data[100:400] = b"\0" * 300
         (ck / name).write_bytes(bytes(data))
     corrupted = _digest(ck)
 
     guard = TrainingGuard(max_restarts=5, save_initial=False)
-    with pytest.raises(TrainingFailure, match="allow_fresh_start=True"):
+    with pytest.raises(TrainingFailure, match="allow_fresh_start=True") as failure:
         guard.fit(_trainer(root, 6, guard), StepSeeded())
-    assert [e["event"] for e in guard.events] == ["bad_checkpoint", "set_aside", "restart", "bad_checkpoint", "gave_up"]
-    # the newer bad checkpoint was moved aside before the older one was tried, never overwritten
     moved = {p.name: p for p in (ck / "quarantine").rglob("step=*.ckpt")}
-    assert sorted(moved) == ["step=00000004.ckpt"]
-    assert hashlib.sha256(moved["step=00000004.ckpt"].read_bytes()).hexdigest() == corrupted["step=00000004.ckpt"]
-    assert (moved["step=00000004.ckpt"].parent / "step=00000004.ckpt.complete").exists()
+    if checksum:  # nothing was tried, nothing moved or overwritten
+        assert [e["event"] for e in guard.events] == ["gave_up"] and "2 could not be loaded" in str(failure.value)
+        assert moved == {} and _digest(ck) == corrupted
+    else:
+        assert [e["event"] for e in guard.events] == ["bad_checkpoint", "set_aside", "restart", "bad_checkpoint",
+                                                      "gave_up"]
+        # the newer bad checkpoint was moved aside before the older one was tried, never overwritten
+        assert sorted(moved) == ["step=00000004.ckpt"]
+        assert hashlib.sha256(moved["step=00000004.ckpt"].read_bytes()).hexdigest() == corrupted["step=00000004.ckpt"]
+        assert (moved["step=00000004.ckpt"].parent / "step=00000004.ckpt.complete").exists()
 
     guard = TrainingGuard(max_restarts=5, save_initial=False, allow_fresh_start=True)
     model, trainer = StepSeeded(), None
     trainer = _trainer(root, 6, guard)
     guard.fit(trainer, model)
     events = [e["event"] for e in guard.events]
-    # the same job remembers (recovery log) that step=2 failed to load: no retry, an explicit fresh start
+    # an explicit fresh start (without checksums the same job remembers from its recovery log that step=2 failed to
+    # load: no retry); what could not be used is moved aside, never overwritten
     assert events == ["fresh_start", "set_aside"] and trainer.global_step == 6
     assert sorted(p.name for p in (ck / "quarantine").rglob("step=*.ckpt")) == ["step=00000002.ckpt",
                                                                                   "step=00000004.ckpt"]

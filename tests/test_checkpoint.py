@@ -130,8 +130,8 @@ def test_convert_checkpoint_errors(tmp_path, capsys):
 def test_crash_mid_save_keeps_previous_and_mismatch_errors_name_keys(tmp_path):
     out = spawn(crash_and_mismatch, 2, str(tmp_path))[0]
     assert out["error"].startswith("CheckpointSaveError") and "injected failure" in out["error"], out["error"]
-    # the overwrite never happened: the old checkpoint is intact, the partial temp dir is gone
-    assert out["leftovers"] == ["last.ckpt"], out["leftovers"]
+    # the overwrite never happened: the old checkpoint is intact (with its marker), the partial temp dir is gone
+    assert out["leftovers"] == ["last.ckpt", "last.ckpt.complete"], out["leftovers"]
     assert_close_dicts(out["loaded"], out["saved"])
     errors = out["errors"]
     assert "CheckpointMismatchError" in errors["fewer_layers"]

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -211,7 +212,7 @@ def test_malformed_markers_are_skipped_with_a_warning(tmp_path):
 def test_overwrite_interrupted_at_any_rename_leaves_the_old_checkpoint_loadable(tmp_path, monkeypatch, crash_at):
     d = tmp_path
     _fake(d, 4)
-    new = commit.temp_path(d / "step=00000004.ckpt", "1-0badc0de")  # a write that finished, never committed
+    new = commit.temp_path(d / "step=00000004.ckpt", commit.new_token())  # a write that finished, never committed
     new.mkdir()
     (new / "data.bin").write_bytes(b"\xff" * 10)
     calls = []
@@ -244,15 +245,38 @@ def test_overwrite_interrupted_at_any_rename_leaves_the_old_checkpoint_loadable(
     assert sorted(p.name for p in d.iterdir()) == ["step=00000004.ckpt", "step=00000004.ckpt.complete"]
 
 
+def _age(path: Path, seconds: float) -> None:
+    """Date `path` (and what it holds) `seconds` back: the leftover of a crash that long ago."""
+    t = time.time() - seconds
+    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+        os.utime(p, (t, t))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_clean_stale_spares_live_saves(tmp_path):
     final = tmp_path / "x.ckpt"
-    live, dead = commit.new_token(), "1-deadbeef"
-    for token in (live, dead):
+    other_host = f"{int(commit._HOST_TAG, 16) ^ 1:04x}"
+    live = commit.new_token()  # held: a save in flight in this process
+    ours_dead = commit.new_token()  # this process, not held: a save of an earlier attempt that crashed
+    pid_dead = f"{_dead_pid()}-{commit._HOST_TAG}beef"  # a process of this host that is gone
+    pid_alive = f"{os.getppid()}-{commit._HOST_TAG}beef"  # another process of this host that still runs
+    foreign = f"{os.getpid()}-{other_host}beef"  # another host: only its age tells
+    foreign_old = f"{os.getpid() + 1}-{other_host}cafe"
+    for token in (live, ours_dead, pid_dead, pid_alive, foreign, foreign_old):
         commit.temp_path(final, token).mkdir()
+        (commit.temp_path(final, token) / "shard").write_bytes(b"x")
+    _age(commit.temp_path(final, foreign_old), commit.STALE_AFTER_S + 5)
     commit.hold(live)
     try:
-        assert commit.clean_stale(tmp_path) == [commit.temp_path(final, dead)]
-        assert commit.temp_path(final, live).exists()
+        removed = commit.clean_stale(tmp_path)
+        assert sorted(removed) == sorted(commit.temp_path(final, t) for t in (ours_dead, pid_dead, foreign_old))
+        for token in (live, pid_alive, foreign):
+            assert commit.temp_path(final, token).exists()
     finally:
         commit.release(live)
 
@@ -290,6 +314,8 @@ def test_failed_async_write_removes_its_temp_dir_and_setup_cleans_crashed_leftov
     done_aside = d / ".old-step=00000050.ckpt-1-deadbeef"  # its overwrite completed: a leftover
     done_aside.mkdir()
     _fake(d, 60, run="other", name=".old-step=00000060.ckpt-1-cafebabe")  # the only copy of step 60: kept
+    for p in (stale_tmp, legacy_tmp, done_aside, d / ".old-step=00000060.ckpt-1-cafebabe"):
+        _age(p, commit.STALE_AFTER_S + 5)  # crashes long ago, of processes that cannot be told dead otherwise
 
     real = FileSystemWriter.write_data
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class AtomicSaver:
-    def __init__(self, checksum: bool = False) -> None:
+    def __init__(self, checksum: bool = True) -> None:
         self.checksum = checksum
         # (tmp, final, meta, token) written to a temporary path; or requests the strategy commits itself
         self._pending: list[tuple[Path, Path, dict[str, Any], str]] = []
@@ -41,7 +41,7 @@ class AtomicSaver:
         if self._pending:  # one write in flight at a time, like the strategies' own async writers
             self.poll(trainer, wait=True)
         token = broadcast(trainer, _store.new_token())
-        _commit.hold(token)
+        _commit.hold(token, final)
         tmp = _store.temp_path(final, token)
         trainer.save_checkpoint(str(tmp), weights_only=False)
         self._pending.append((tmp, final, meta, token))
@@ -73,8 +73,11 @@ class AtomicSaver:
             finalize = getattr(trainer.strategy, "finalize_checkpoints", None)
             if callable(finalize):
                 finalize()  # collective; raises a failed write's error
-        done = [(f, r) for f, r in self._requests if r.done.is_set()]
-        self._requests = [(f, r) for f, r in self._requests if not r.done.is_set()]
+        # a failed save is raised at a collective point (`wait`: the strategy's finalize agrees on it), never by
+        # the one rank that knows first: its peers would wait for it in the next collective
+        done = [(f, r) for f, r in self._requests if r.done.is_set() and (wait or r.error is None)]
+        finished = {id(r) for _, r in done}
+        self._requests = [(f, r) for f, r in self._requests if id(r) not in finished]
         for final, request in done:
             if request.error is not None:
                 raise request.error

@@ -6,6 +6,7 @@ package's one commit path; this module keeps the callbacks' names for them.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Union
 
@@ -15,6 +16,7 @@ from lightning_npu.parallel.checkpoint.commit import (  # noqa: F401  (re-export
     TMP_PREFIX,
     CheckpointCorruptedError,
     CheckpointInfo,
+    clean_leftovers,
     clean_stale,
     delete,
     latest_complete,
@@ -26,15 +28,17 @@ from lightning_npu.parallel.checkpoint.commit import (  # noqa: F401  (re-export
     remove_path,
     temp_path,
     verify,
+    verify_marked,
 )
 
 PathLike = Union[str, Path]
+CHECKPOINT_NAME = re.compile(r"step=\d{8,}\.ckpt")  # what `checkpoint_name` makes
 
 
 def checkpoint_name(step: int) -> str:
     return f"step={step:08d}.ckpt"
 
 
-def commit(tmp: PathLike, final: PathLike, meta: dict[str, Any], checksum: bool = False) -> Path:
+def commit(tmp: PathLike, final: PathLike, meta: dict[str, Any], checksum: bool = True) -> Path:
     """Commit a fully written checkpoint with its marker (rank 0 only); see `lightning_npu.parallel.checkpoint.commit`."""
     return _commit.commit(tmp, final, new_token(), marker=meta, checksum=checksum)

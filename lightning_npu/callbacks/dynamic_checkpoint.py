@@ -59,7 +59,9 @@ class DynamicCheckpoint(Checkpoint):
         async_save: write in a background thread (wraps the strategy's checkpoint IO); the commit
             happens at the first step boundary after every rank's write finished. With npu_hybrid use
             ``NPUHybridStrategy(async_save=True)`` instead: its checkpoints are committed as soon as written.
-        checksum: record a CRC32 of every file, verified at resume (reads each checkpoint once more).
+        checksum: record a CRC32 of every file (besides its size), verified by discovery and by every load.
+            npu_hybrid computes the shards' CRC32s while writing them; other strategies' files are read once more
+            at the commit. ``LIGHTNING_NPU_CHECKSUM=0`` turns CRC32s off everywhere (sizes stay).
     """
 
     def __init__(
@@ -70,7 +72,7 @@ class DynamicCheckpoint(Checkpoint):
         save_on_train_end: bool = True,
         keep_last_k: Optional[int] = 3,
         async_save: bool = False,
-        checksum: bool = False,
+        checksum: bool = True,
     ) -> None:
         o = _OWNER
         phase_fractions = check_numbers("phase_fractions", phase_fractions, example="(0.1, 0.8)", owner=o)
@@ -139,8 +141,12 @@ class DynamicCheckpoint(Checkpoint):
         raise_refused(refused)
         self.dirpath = Path(dirpath)
         if trainer.is_global_zero:
-            for stale in _store.clean_stale(self.dirpath):  # left by crashed saves; live ones are kept
-                log.info("DynamicCheckpoint: removed %s, left by an interrupted save.", stale)
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            # left by crashed saves and prunes (temporaries, aside copies, unmarked checkpoints); live ones are kept
+            stale = _store.clean_leftovers(self.dirpath, _store.CHECKPOINT_NAME)
+            if stale:
+                log.warning("DynamicCheckpoint: removed %d leftover(s) of interrupted saves or prunes in %s: %s",
+                            len(stale), self.dirpath, ", ".join(p.name for p in stale))
         if self.async_save and not isinstance(trainer.strategy.checkpoint_io, TrackedAsyncCheckpointIO):
             trainer.strategy.checkpoint_io = TrackedAsyncCheckpointIO(trainer.strategy.checkpoint_io)
 

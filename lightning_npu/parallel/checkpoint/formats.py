@@ -13,17 +13,20 @@ Two forms, chosen by the strategy's ``save_distributed_checkpoint`` (Lightning's
 The default (``None`` / ``"auto"``) is the file where every dp rank holds full tensors anyway (pp = 1,
 tp = 1, ZeRO 0/1, where only ZeRO-1's optimizer slices need gathering), the directory otherwise and whenever
 ``async_save=True`` (background writes are DCP's).
-:func:`load_checkpoint` returns Lightning's checkpoint dict for either form in one plain process.
+:func:`load_checkpoint` returns Lightning's checkpoint dict for either form in one plain process, after checking
+every file against the size and CRC32 its marker recorded (`commit.verify_marked`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch import nn
 
 from lightning_npu.parallel.checkpoint import commit as _commit
@@ -142,15 +145,70 @@ def restore_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
+def continue_epoch_after_fit(checkpoint: dict[str, Any], num_training_batches: Any) -> dict[str, Any]:
+    """A checkpoint taken once fit stopped before the end of its epoch (`max_steps`, `max_time`, a stop request:
+    ``trainer.save_checkpoint`` after fit, a save at train end or epoch end) records the epoch as finished:
+    Lightning counts it processed (and completed) on the way out, so a later fit would start the next epoch at its
+    first sample. With a resumable train loader the checkpoint becomes what a save at that last batch holds, the
+    epoch in progress: a later fit with a larger `max_steps` goes on where the loader stopped, as an uninterrupted
+    run does. An epoch that reached its last batch (or `limit_train_batches`) is left finished."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit, dict):
+        return checkpoint
+    states = (fit.get("state_dict") or {}).get("combined_loader")
+    epochs, batches = fit.get("epoch_progress") or {}, fit.get("epoch_loop.batch_progress") or {}
+    try:
+        total, current, ready = epochs["total"], epochs["current"], batches["current"]["ready"]
+        closed = total["ready"] == total["started"] == total["processed"] >= 1
+        cut_short = not batches.get("is_last_batch") and 0 < ready < float(num_training_batches)
+    except (KeyError, TypeError, ValueError):
+        return checkpoint
+    if not (states and all(map(_is_resumable_loader_state, states)) and closed and cut_short):
+        return checkpoint
+    reopened = {}
+    for part in ("total", "current"):
+        progress = dict(epochs[part])
+        progress["processed"] = progress["started"] - 1
+        progress["completed"] = min(progress["completed"], progress["processed"])
+        reopened[part] = progress
+    loops = dict(checkpoint["loops"])
+    loops["fit_loop"] = {**fit, "epoch_progress": {**epochs, **reopened}}
+    return {**checkpoint, "loops": loops}
+
+
+def default_marker(checkpoint: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The marker of a checkpoint no callback asked a marker for (``trainer.save_checkpoint``, ModelCheckpoint):
+    every npu_hybrid checkpoint records its files' sizes and CRC32s."""
+    return {"step": int(checkpoint.get("global_step") or 0), "epoch": checkpoint.get("epoch"),
+            "reason": "save_checkpoint", "world_size": world_size, "run": None}
+
+
 # ---- writing one file --------------------------------------------------------------------------
 def _synchronous(checkpoint_io: Any) -> Any:
     """The IO plugin behind an async wrapper (e.g. `DynamicCheckpoint(async_save=True)`'s): the commit follows the
     write at once, so the file must be complete when `save_checkpoint` returns."""
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
     while isinstance(checkpoint_io, AsyncCheckpointIO):
         checkpoint_io = checkpoint_io.checkpoint_io
     return checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+
+
+def _write(checkpoint: dict[str, Any], tmp: Path, checkpoint_io: Any, checksum: bool,
+           storage_options: Any = None) -> Optional[dict[str, Any]]:
+    """Write the file; returns its manifest entry when it was checksummed on the way (None: the commit reads it).
+
+    Lightning's default IO (``torch.save`` of the dict) is done here, streamed through a `ChecksumStream` and
+    fsynced before the commit renames it: the same bytes, without reading them back for the CRC32. A custom IO
+    plugin, or one given `storage_options`, writes as it likes."""
+    io = _synchronous(checkpoint_io)
+    if type(io) is not TorchCheckpointIO or storage_options is not None:
+        io.save_checkpoint(checkpoint, tmp, **({} if storage_options is None else {"storage_options": storage_options}))
+        return None
+    with open(tmp, "wb") as f:
+        stream = _commit.ChecksumStream(f, checksum and _commit.checksums_enabled())
+        torch.save(checkpoint, stream)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"": stream.entry()}
 
 
 def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0: bool, checkpoint_io: Any,
@@ -162,16 +220,16 @@ def save_file(checkpoint: dict[str, Any], final: _PathLike, token: str, is_rank0
     final = Path(final)
     request = request if request is not None else _commit.CommitRequest()
     tmp = _commit.temp_path(final, token)
-    _commit.hold(token)
+    _commit.hold(token, final)
     message: Optional[str] = None
     try:
         if is_rank0:
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 _commit.clean_stale(final.parent, names=[final.name])
-                options = {} if storage_options is None else {"storage_options": storage_options}
-                _synchronous(checkpoint_io).save_checkpoint(checkpoint, tmp, **options)
-                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
+                known = _write(checkpoint, tmp, checkpoint_io, request.checksum and request.marker is not None,
+                               storage_options)
+                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum, known=known)
             except Exception as err:
                 _commit.remove_path(tmp)
                 message = (f"Writing the checkpoint {str(final)!r} failed: {err!r}. A previous checkpoint at that path "
@@ -198,6 +256,7 @@ def load_checkpoint(path: _PathLike) -> dict[str, Any]:
     ``model.load_state_dict(lightning_npu.load_checkpoint(path)["state_dict"])``.
     """
     path = sharded.resolve_checkpoint_path(path)
+    _commit.verify_marked(path)  # sizes and CRC32s, where the checkpoint has a marker
     if path.is_file():
         return ckpt.safe_torch_load(path)
     if not sharded.is_sharded_checkpoint(path):

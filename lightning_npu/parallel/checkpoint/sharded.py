@@ -28,6 +28,11 @@ rank's write finished, through `lightning_npu.parallel.checkpoint.commit` (the p
 old copy is set aside, never deleted, before the rename). An async save is committed by rank 0 as
 soon as DCP reports the write complete, not at the next save.
 
+Integrity: every rank checksums the shards it writes while writing them (`ChecksumFileSystemWriter`, DCP's
+writer with a recording file system); DCP's gather of the write results brings the CRC32s to rank 0, whose
+commit records them in the marker with ``meta.pt`` and ``.metadata``. A failure on any rank (the write, or
+rank 0's commit) is raised as the same `CheckpointSaveError` on every rank.
+
 Trust: ``meta.pt`` is read with ``torch.load(weights_only=True)``, DCP's pickled ``.metadata``
 through a restricted unpickler (DCP's metadata classes and plain data only) and every non-tensor entry of
 a shard (optimizer param groups, ...) with ``weights_only=True`` by `SafeLoadPlanner` (DCP's default
@@ -42,15 +47,18 @@ import shutil
 import sys
 import threading
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -62,7 +70,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.checkpoint import commit as _commit
-from lightning_npu.parallel.checkpoint.commit import CommitRequest, temp_path
+from lightning_npu.parallel.checkpoint.commit import ChecksumStream, CommitRequest, checksums_enabled, temp_path
 from lightning_npu.parallel.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError
 from lightning_npu.parallel.checkpoint.safe_load import (
     META_FILENAME,
@@ -173,6 +181,69 @@ def resolve_checkpoint_path(path: _PathLike) -> Path:
 
 
 # ---- writer -----------------------------------------------------------------------------------
+class _RecordingFileSystem(FileSystem):
+    """DCP's local file system, whose write streams keep each file's size and CRC32 (`ChecksumStream`)."""
+
+    def __init__(self, checksum: bool) -> None:
+        super().__init__()
+        self.checksum = checksum
+        self._records: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            recording = ChecksumStream(stream, self.checksum)
+            yield recording
+        with self._lock:
+            self._records[Path(path).name] = recording.entry()
+
+    def take(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            out, self._records = self._records, {}
+        return out
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """`FileSystemWriter` whose ranks checksum the shards they write as they write them (no read-back), and
+    whose coordinator collects the CRC32s from DCP's write results into `files` (file -> size, crc32) for the
+    commit's manifest. The extra results are removed before DCP writes ``.metadata``, which stays DCP's own."""
+
+    _KEY = "__lightning_npu_file__/"
+
+    def __init__(self, path: Any, checksum: bool = True, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _RecordingFileSystem(checksum)
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        results = list(super().write_data(plan, planner).value())  # FileSystemWriter writes synchronously
+        results += [WriteResult(index=MetadataIndex(self._KEY + name), size_in_bytes=entry["size"], storage_data=entry)
+                    for name, entry in self.fs.take().items()]
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        kept = []
+        for rank_results in results:
+            kept.append([r for r in rank_results if not r.index.fqn.startswith(self._KEY)])
+            files.update({r.index.fqn[len(self._KEY):]: r.storage_data for r in rank_results
+                          if r.index.fqn.startswith(self._KEY)})
+        super().finish(metadata, kept)
+        written = self.fs.take().get(".metadata.tmp")  # DCP writes it under this name, then renames it
+        if written is not None:
+            files[".metadata"] = written
+        self.files = files
+
+
+Agree = Callable[[Optional[str]], Optional[str]]
+
+
 class ShardedCheckpointWriter:
     """Writes DCP checkpoints atomically, synchronously or in a background thread (`async_save=True`).
 
@@ -181,6 +252,10 @@ class ShardedCheckpointWriter:
     future only after every rank's shards and the ``.metadata`` are on disk, so the checkpoint is
     visible as soon as it is complete, needs no collective, and survives a peer that crashes later.
     `finalize()` (before the next save or load, and at teardown) only waits and reports errors.
+
+    `agree(message)` returns rank 0's value on every rank (a broadcast): where only rank 0 can fail (its
+    preparation, its commit), every rank learns it there and raises the same error, instead of waiting in a
+    collective that rank 0 never joins.
     """
 
     def __init__(self, async_save: bool = False) -> None:
@@ -207,38 +282,48 @@ class ShardedCheckpointWriter:
         final: _PathLike,
         token: str,
         is_rank0: bool,
-        barrier: Any,
+        agree: Agree,
         request: Optional[CommitRequest] = None,
     ) -> None:
-        """Collective. `token` must be the same on every rank (broadcast it); `barrier()` syncs ranks.
+        """Collective. `token` must be the same on every rank (broadcast it); `agree` broadcasts rank 0's value.
 
         `request` (e.g. from `DynamicCheckpoint`) adds a completion marker to the commit and is told when
         the commit happened."""
-        self.finalize()
+        self.finalize(agree)
         final = Path(final)
         request = request if request is not None else CommitRequest()
         tmp = temp_path(final, token)
-        _commit.hold(token)
+        _commit.hold(token, final)
+        problem: Optional[str] = None
         if is_rank0:
-            _commit.clean_stale(final.parent, names=[final.name])  # leftovers of crashed saves to this path
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            torch.save(meta, tmp / META_FILENAME)
-        barrier()
-        writer = FileSystemWriter(tmp)
+            try:
+                _commit.clean_stale(final.parent, names=[final.name])  # leftovers of crashed saves to this path
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+                torch.save(meta, tmp / META_FILENAME)
+            except Exception as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                problem = (f"Writing the checkpoint {str(final)!r} failed on rank 0: {err!r}. Nothing was committed; a "
+                           "previous checkpoint at that path is untouched.")
+        problem = agree(problem)  # also the barrier before the shards are written into `tmp`
+        if problem is not None:
+            self._fail(request, token, CheckpointSaveError(problem))
+        # without a marker there is nowhere to record a CRC32: count sizes only
+        recorded = request.marker is not None and request.checksum and checksums_enabled()
+        writer = ChecksumFileSystemWriter(tmp, checksum=recorded)
         if self.async_save:
             try:
                 result = dcp.async_save(_owning_storage(tensors), storage_writer=writer, process_group=self._group())
             except BaseException as err:
-                self._finish(None, err, tmp, final, token, is_rank0, request)
-                raise
+                self._finish(None, err, tmp, final, token, is_rank0, request, writer)
+                raise request.error from None
             future = getattr(result, "upload_completion", result)  # AsyncSaveResponse (staging) or a Future
             finished = threading.Event()
 
             def on_done(fut: Future) -> None:
                 try:
-                    self._finish(fut, fut.exception(), tmp, final, token, is_rank0, request)
+                    self._finish(fut, fut.exception(), tmp, final, token, is_rank0, request, writer)
                 finally:
                     finished.set()
 
@@ -250,42 +335,60 @@ class ShardedCheckpointWriter:
             dcp.save(tensors, storage_writer=writer)
         except CheckpointException as err:  # raised on every rank when any rank's write failed
             error = err
-        self._finish(None, error, tmp, final, token, is_rank0, request)
-        if request.error is not None:
-            raise request.error
-        barrier()
+        self._finish(None, error, tmp, final, token, is_rank0, request, writer)
+        self._agree_on(request, agree)
+
+    @staticmethod
+    def _fail(request: CommitRequest, token: str, error: CheckpointSaveError) -> None:
+        request.error = error
+        _commit.release(token)
+        request.done.set()
+        raise error
+
+    @staticmethod
+    def _agree_on(request: CommitRequest, agree: Agree) -> None:
+        """Every rank raises rank 0's error (a failed commit is known only there), or none does."""
+        message = agree(str(request.error) if request.error is not None else None)
+        if message is None:
+            return
+        if request.error is None or str(request.error) != message:
+            request.error = CheckpointSaveError(message)
+        raise request.error
 
     @staticmethod
     def _finish(fut: Optional[Future], error: Optional[BaseException], tmp: Path, final: Path, token: str,
-                is_rank0: bool, request: CommitRequest) -> None:
+                is_rank0: bool, request: CommitRequest, writer: Optional[ChecksumFileSystemWriter] = None) -> None:
         """Commit a finished write on rank 0, or remove what a failed one left; tell `request` either way."""
         try:
             if error is None and is_rank0:
-                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum)
+                request.committed = _commit.commit(tmp, final, token, request.marker, request.checksum,
+                                                   known=writer.files if writer is not None else None)
             elif error is not None:
                 if is_rank0:
                     shutil.rmtree(tmp, ignore_errors=True)
                 request.error = _save_error(error, final)
         except BaseException as err:  # a failing commit (disk full) is the save's error
-            request.error = CheckpointSaveError(f"Committing the checkpoint {str(final)!r} failed: {err!r}. A "
-                                                "previous checkpoint at that path is kept.")
+            if is_rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            request.error = CheckpointSaveError(f"Committing the checkpoint {str(final)!r} failed on rank 0: {err!r}. "
+                                                "A previous checkpoint at that path is kept.")
             request.error.__cause__ = err
         finally:
             _commit.release(token)
             request.done.set()
 
-    def finalize(self, barrier: Optional[Any] = None) -> None:
-        """Wait for an async save (rank 0 commits it as soon as it finished) and raise its error, if any.
-        Safe without `barrier` (teardown, after errors)."""
+    def finalize(self, agree: Optional[Agree] = None) -> None:
+        """Wait for an async save (rank 0 commits it as soon as it finished) and raise its error, if any: with
+        `agree` on every rank alike (collective), without it (teardown, after errors) where it happened."""
         if self._pending is None:
             return
         future, finished, final, request = self._pending
         self._pending = None
         finished.wait()
-        if request.error is not None:
+        if agree is not None:
+            self._agree_on(request, agree)
+        elif request.error is not None:
             raise request.error
-        if barrier is not None:
-            barrier()
 
 
 def finalize_at_teardown(writer: ShardedCheckpointWriter) -> None:
