@@ -649,14 +649,13 @@ class NPUHybridStrategy(DDPStrategy):
     def _release_process_groups(self) -> None:
         """Drop what holds process groups that the next fit makes again, as DDPStrategy drops its DDP wrapper, so
         that the module and the trainer pickle after fit (``torch.save(trainer)``): the gradient sync (DDP's comm
-        hook state), the buffer broadcast and the dp group given to the module's metrics. The gradient
-        compressor's state stays (a checkpoint saved after fit holds it)."""
+        hook state) and the buffer broadcast. The module's metrics keep their dp group (under tp or pp), since a
+        metric computed after fit must still count each sample once; the gradient compressor's state stays (a
+        checkpoint saved after fit holds it)."""
         compressor = self._grad_sync.compressor
         self._grad_sync = GradientSync()
         self._grad_sync.compressor = compressor
         self._buffer_sync = None
-        reduction.unbind_metrics(self._bound_metrics)
-        self._bound_metrics = []
 
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -138,3 +138,18 @@ class KillingCheckpointIO:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         return _Killing()
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment less the launcher variables an in-process Trainer of an earlier test left in it
+    (MASTER_PORT, LOCAL_RANK, ...): a child that inherits them joins or binds that rendezvous instead of its own."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in list(env):
+        if k.startswith(("TORCHELASTIC", "LOCAL_RANK", "MASTER_", "WORLD_SIZE", "GROUP_RANK")) or k in ("RANK", "NODE_RANK"):
+            env.pop(k)
+    return env
+
+
+def script_env() -> dict[str, str]:
+    """The environment of a test's own launcher script: `clean_env`, with this checkout importable first."""
+    return dict(clean_env(), PYTHONPATH=str(Path(__file__).resolve().parents[1]))

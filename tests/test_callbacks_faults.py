@@ -4,7 +4,6 @@ a failing step recovered in process, a corrupted checkpoint skipped at resume.""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,21 +18,13 @@ from lightning_npu.callbacks import (
     GradientHealthGuard,
     TrainingFailure,
     TrainingGuard,
+    _store,
 )
-from lightning_npu.callbacks import _store
-from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
+from tests._callbacks_helpers import StepSeeded, flat_params, script_env, trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "callbacks_train.py"
 PY = sys.executable
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in list(env):
-        if k.startswith(("TORCHELASTIC", "LOCAL_RANK", "MASTER_", "WORLD_SIZE", "GROUP_RANK")) or k in ("RANK", "NODE_RANK"):
-            env.pop(k)
-    return env
 
 
 def _reference(tmp_path, max_steps, interval=2):
@@ -88,7 +79,7 @@ def test_crash_while_writing_checkpoint_keeps_previous_and_resumes(tmp_path):
     ref = _reference(tmp_path, 8)
     root = tmp_path / "run"
     proc = subprocess.run([PY, str(SCRIPT), "--root", str(root), "--out", str(tmp_path / "x.pt"), "--max-steps", "8",
-                           "--crash-in-save-at", "4"], env=_env(), capture_output=True, text=True, timeout=120)
+                           "--crash-in-save-at", "4"], env=script_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     ck = root / "ck"
     assert [i.step for i in _store.list_complete(ck)] == [0, 2]
@@ -133,7 +124,7 @@ def test_sigterm_saves_exits_zero_and_resume_continues_the_loss_curve(tmp_path):
     root = tmp_path / "run"
     proc = subprocess.run([PY, str(SCRIPT), "--root", str(root), "--out", str(tmp_path / "pre.pt"), "--max-steps", "10",
                            "--interval", "100", "--signal-at", "5", "--preemption"],
-                          env=_env(), capture_output=True, text=True, timeout=120)
+                          env=script_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     pre = torch.load(tmp_path / "pre.pt", weights_only=False)
     assert pre["global_step"] == 6
@@ -151,11 +142,11 @@ def test_rank_killed_under_torchrun_resumes_and_matches_uninterrupted(tmp_path):
     common = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"]
     args = ["--devices", "2", "--strategy", "ddp", "--max-steps", "8", "--interval", "3"]
     ref = subprocess.run([str(torchrun), *common, str(SCRIPT), "--root", str(tmp_path / "ref"), "--out",
-                          str(tmp_path / "ref.pt"), *args], env=_env(), capture_output=True, text=True, timeout=180)
+                          str(tmp_path / "ref.pt"), *args], env=script_env(), capture_output=True, text=True, timeout=180)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = subprocess.run([str(torchrun), *common, str(SCRIPT), "--root", str(tmp_path / "run"), "--out",
                           str(tmp_path / "run.pt"), *args, "--kill-at", "5", "--kill-flag", str(tmp_path / "killed")],
-                         env=_env(), capture_output=True, text=True, timeout=180)
+                         env=script_env(), capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "killed").exists()
     a, b = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "run.pt", weights_only=False)

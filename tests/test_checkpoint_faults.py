@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -28,20 +27,12 @@ from lightning_npu.cli import main
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.checkpoint import commit
 from lightning_npu.parallel.checkpoint.errors import CheckpointLoadError
-from tests._callbacks_helpers import StepSeeded, trainer_kwargs
+from tests._callbacks_helpers import StepSeeded, script_env, trainer_kwargs
 from tests._checkpoint_fault_workers import campaign
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "commit_faults.py"
 KINDS = ("flipped", "swapped", "truncated", "deleted")
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in list(env):
-        if k.startswith(("TORCHELASTIC", "LOCAL_RANK", "MASTER_", "WORLD_SIZE", "GROUP_RANK")) or k in ("RANK", "NODE_RANK"):
-            env.pop(k)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +43,7 @@ def scripts(tmp_path_factory):
     for mode in ("rename_crash", "prune_crash", "marker_full"):
         (root / mode).mkdir()
         procs[mode] = subprocess.Popen([sys.executable, str(SCRIPT), "--root", str(root / mode), "--mode", mode,
-                                        "--max-steps", "6"], env=_env(), stdout=subprocess.DEVNULL,
+                                        "--max-steps", "6"], env=script_env(), stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True)
     yield {"root": root, "procs": procs}
     for proc in procs.values():

@@ -25,23 +25,15 @@ from lightning_npu.parallel.checkpoint import commit
 from lightning_npu.parallel.checkpoint.errors import UnsafeCheckpointError
 from lightning_npu.parallel.checkpoint.safe_load import read_meta
 from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
-from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
+from tests._callbacks_helpers import StepSeeded, flat_params, script_env, trainer_kwargs
 from tests._faults import Payload, plant_in_shard
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "commit_faults.py"
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in list(env):
-        if k.startswith(("TORCHELASTIC", "LOCAL_RANK", "MASTER_", "WORLD_SIZE", "GROUP_RANK")) or k in ("RANK", "NODE_RANK"):
-            env.pop(k)
-    return env
-
-
 def _run(*args, timeout=240):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=script_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -12,6 +12,7 @@ import docstring_parser
 import pytest
 
 from lightning_npu import NPUHybridStrategy, cli
+from tests._callbacks_helpers import clean_env
 from tests._faults import Payload, plant_in_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def test_cli_fit_trains_logs_and_checkpoints(tmp_path):
         "--data.init_args.block_size", "32",
         "--model.init_args.block_size", "32",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -48,7 +49,7 @@ def test_cli_fit_trains_logs_and_checkpoints(tmp_path):
 def _run(args, tmp_path, timeout=300):
     cli = Path(sys.executable).with_name("lightning-npu")
     cmd = ([str(cli)] if cli.exists() else [sys.executable, "-m", "lightning_npu.cli"]) + args
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 

@@ -16,8 +16,9 @@ and in bursts (sparsified with error feedback) or with a sign-inflated magnitude
 sent dense. 1-bit Adam (Tang et al. 2021, `frozen_variance=True`: after a dense warm-up each rank's Adam *momentum*
 is compressed with error feedback and the variance is frozen) closes the gap and overshoots it: topk 0.3247
 (-6.1%), onebit 0.2920 (-15.5%); 150 warm-up steps: -6.7%, -14.8%. The frozen variance itself is what ends lower:
-int8 under 1-bit Adam, a nearly lossless exchange, ends -8.8%. So topk/onebit stay strict xfails of the two-sided
-bound and `test_one_bit_adam_no_worse_than_3_percent` checks the side that matters to a user. PowerSGD misses either
+int8 under 1-bit Adam, a nearly lossless exchange, ends -8.8%. So every bound is one-sided (no worse than 3% above
+the uncompressed run), the side that matters to a user; `test_one_bit_adam_no_worse_than_3_percent` checks topk and
+onebit under 1-bit Adam. PowerSGD misses either
 way (rank 4 under 1-bit Adam: +191%).
 
 On `SMALL_GPT` (session 7's record, uncompressed 1.023): bf16 +0.23%, int8 +0.94%, topk +55%, onebit +68%,
@@ -53,8 +54,6 @@ FEEDBACK_ARMS = {
     "topk30_no_ef": {"mode": "topk", "ratio": 0.3, "error_feedback": False},
 }
 _MISSES = "measured {}: misses 3% under AdamW (see the module docstring); a strict xfail until compression is fixed"
-_BELOW = ("measured {}: 1-bit Adam ends more than 3% *below* the uncompressed run (its frozen variance alone does: "
-          "int8 under 1-bit Adam -8.8%; see the module docstring); a strict xfail of the two-sided bound")
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +85,15 @@ def test_uncompressed_loss_falls(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     "bf16", "int8",
-    pytest.param("topk", marks=pytest.mark.xfail(strict=True, reason=_BELOW.format("-6.1%"))),
-    pytest.param("onebit", marks=pytest.mark.xfail(strict=True, reason=_BELOW.format("-15.5%"))),
     pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+547%"))),
 ])
-def test_compressed_ends_within_3_percent(runs, mode):
+def test_compressed_ends_no_worse_than_3_percent(runs, mode):
     base, got = tail(runs["none"]), tail(runs[mode])
     # compression was on: fewer gradient bytes than the uncompressed run (onebit's fp32 warm-up included)
     assert runs[mode]["bytes"] < 0.55 * runs["none"]["bytes"], (runs[mode]["bytes"], runs["none"]["bytes"])
-    assert abs(got / base - 1) <= 0.03, f"{mode}: last-{TAIL} mean {got:.4f} vs uncompressed {base:.4f}"
+    # one-sided, as for 1-bit Adam: the uncompressed run itself ends 0.3457 on an AVX2 CPU and 0.3690 on an AVX512
+    # one (fp32 kernels' rounding, amplified over 300 AdamW steps), where bf16 and int8 end 6.5% and 9.4% below it
+    assert got <= 1.03 * base, f"{mode}: last-{TAIL} mean {got:.4f} vs uncompressed {base:.4f}"
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._callbacks_helpers import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
@@ -46,7 +48,7 @@ def _runnable(lang):
 
 
 def _env(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([str(tmp_path / "bin"), env["PATH"]])
     return env

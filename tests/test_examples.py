@@ -2,7 +2,6 @@
 config trains under tp=2 on 2 CPU processes (shortened to a couple of steps)."""
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import yaml
 
 from lightning_npu.parallel.checkpoint.safe_load import checkpoint_tensor_metadata, read_meta
+from tests._callbacks_helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_llama_config_trains_a_transformers_llama_with_tp2(tmp_path):
         "--trainer.default_root_dir", str(tmp_path),
         "--data.init_args.block_size", "32",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

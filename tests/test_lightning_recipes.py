@@ -428,11 +428,13 @@ def test_add_param_group_while_training(ranks):
 
 def test_trained_module_pickles(ranks):
     """torch.save(model) after fit (ZeRO 0 and 1; FSDP2's generated classes never pickle under ZeRO 2/3), and the
-    whole trainer under ZeRO 0: no ProcessGroup is left in the gradient sync or on the module's metrics."""
+    whole trainer under ZeRO 0: no ProcessGroup is left in the gradient sync. (Under tp the module's torchmetrics
+    keep their dp group after fit, so that a metric computed then counts each sample once: tests/test_tp_outputs.py;
+    such a module does not pickle.)"""
     for got in _case(ranks, "pickle"):
         for stage in (0, 1):
             assert _ran(got[stage]) == {"model": "ok", "trainer": "ok"}, (stage, got[stage])
-        assert _ran(got["tp"]) == {"model": "ok", "process_group": "None"}, got["tp"]
+        assert _ran(got["tp"])["process_group"] != "None", got["tp"]  # kept, for the counts after fit
 
 
 def test_missing_checkpoint_keeps_lightnings_words(ranks):

@@ -148,7 +148,16 @@ def test_fuse_ops_training_dp2_matches_unfused():
     for rank in range(2):
         torch.testing.assert_close(fused[rank]["losses"], plain[rank]["losses"], rtol=1e-5, atol=1e-6)
         for k, v in plain[rank]["state"].items():
-            torch.testing.assert_close(fused[rank]["state"][k], v, rtol=1e-4, atol=1e-6, msg=k)
+            got = fused[rank]["state"][k]
+            if k.endswith("attn.c_attn.bias"):
+                # the key third of the q|k|v bias has a zero gradient in exact arithmetic (softmax ignores a shift of
+                # all of a query's scores), so Adam turns the kernels' rounding noise there into updates of up to lr
+                # per step (1.3e-6 apart on an AVX512 CPU): bounded by lr x steps; q and v stay tight
+                q, key, val = got.chunk(3)
+                q_ref, key_ref, val_ref = v.chunk(3)
+                torch.testing.assert_close(key, key_ref, rtol=0, atol=4 * 1e-3, msg=k)
+                got, v = torch.cat([q, val]), torch.cat([q_ref, val_ref])
+            torch.testing.assert_close(got, v, rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_dtensor_inputs_run_on_local_shards():

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 
-__all__ = ["all_gather", "bind_metrics", "full_value", "reduce", "replica_group", "unbind_metrics"]
+__all__ = ["all_gather", "bind_metrics", "full_value", "reduce", "replica_group"]
 
 
 def replica_group(mesh: Optional[DeviceMesh]) -> Optional[dist.ProcessGroup]:
@@ -78,8 +78,7 @@ def all_gather(tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bo
 
 
 def bind_metrics(module: nn.Module, mesh: Optional[DeviceMesh]) -> list[Any]:
-    """Give every torchmetrics ``Metric`` in `module` without a ``process_group`` the dp group; returns those metrics
-    (for `unbind_metrics`)."""
+    """Give every torchmetrics ``Metric`` in `module` without a ``process_group`` the dp group; returns those metrics."""
     group = replica_group(mesh)
     if group is None:
         return []
@@ -93,9 +92,3 @@ def bind_metrics(module: nn.Module, mesh: Optional[DeviceMesh]) -> list[Any]:
             m.process_group = group
             bound.append(m)
     return bound
-
-
-def unbind_metrics(metrics: list[Any]) -> None:
-    """Undo `bind_metrics` (at teardown): a process group cannot be pickled, so the module could not be saved."""
-    for m in metrics:
-        m.process_group = None
