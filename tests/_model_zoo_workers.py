@@ -89,6 +89,24 @@ def _clip(T: Any) -> Any:
                                     vision_config=dict(image_size=IMAGE, patch_size=4, **tower), projection_dim=16))
 
 
+def _qwen3(T: Any) -> Any:
+    # per-head q/k norms
+    return T.Qwen3ForCausalLM(T.Qwen3Config(num_key_value_heads=2, head_dim=8, **DECODER))
+
+
+def _qwen3_moe(T: Any) -> Any:
+    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, **DECODER))
+
+
+def _deepseek_v3(T: Any) -> Any:
+    # multi-head latent attention (low-rank q and kv, decoupled rope), a dense first layer, then routed experts
+    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, num_mtp_layers=0, **DECODER))
+
+
 def _mixtral(T: Any) -> Any:
     return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
                                                 **DECODER))
@@ -111,6 +129,9 @@ MODELS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "vit": (_vit, "image"),
     "clip": (_clip, "clip"),
     "mixtral": (_mixtral, "lm"),  # MoE: its experts are not tensor-parallel yet (replicated on request)
+    "qwen3": (_qwen3, "lm"),
+    "qwen3-moe": (_qwen3_moe, "lm"),
+    "deepseek-v3": (_deepseek_v3, "lm"),
 }
 
 
@@ -128,10 +149,12 @@ class ZooModule(L.LightningModule):
         self.model = builder(transformers)
         self.model.config._attn_implementation = "eager"
 
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.kind == "lm":
-            logits = self.model(input_ids=batch["input_ids"]).logits
-            return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        if self.kind == "lm":  # under pipeline parallelism the same cross-entropy, of `forward`, is the default
+            return F.cross_entropy(self(batch["input_ids"]).flatten(0, 1).float(), batch["labels"].flatten())
         if self.kind == "image":
             return F.cross_entropy(self.model(pixel_values=batch["pixel_values"]).logits, batch["labels"])
         out = self.model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"])
@@ -195,7 +218,8 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
     L.seed_everything(0, verbose=False)
     model = model_cls(name)
     strategy = NPUHybridStrategy(**strategy_kwargs)
-    dp = world // strategy.parallel_config.tensor_parallel_size
+    cfg = strategy.parallel_config
+    dp = world // (cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
     losses = Losses()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
@@ -208,6 +232,8 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
     except Exception as err:  # noqa: BLE001 (a refusal is a result here)
         return {"error": f"{type(err).__name__}: {err}", "process_group": dist.is_initialized()}
     report = trainer.strategy.tp_report
+    if trainer.strategy.pipeline_plan is not None:
+        report = f"{report}\n{trainer.strategy.pipeline_plan}" if report is not None else trainer.strategy.pipeline_plan
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model),
             "report": str(report) if report is not None else None,
             "buffers": {n: type(b).__name__ for n, b in model.named_buffers()}}

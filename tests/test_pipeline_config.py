@@ -31,12 +31,20 @@ def test_micro_batches_smaller_than_pp_with_1f1b():
     NPUHybridStrategy(pipeline_parallel_size=4, micro_batches=2, pipeline_schedule="gpipe")  # GPipe allows M < P
 
 
-def test_module_without_pipeline_loss():
+def test_module_without_pipeline_loss_gets_cross_entropy():
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_npu.parallel.pipeline_parallel.runner import default_pipeline_loss
+
     class NoLoss(GPTModule):
         pipeline_loss = None
 
-    with pytest.raises(PipelineLayoutError, match=r"define `pipeline_loss\(self, output, target\)`"):
-        plan_pipeline(NoLoss(**PP_GPT), 2)
+    plan_pipeline(NoLoss(**PP_GPT), 2)  # accepted: the last stage's logits get cross-entropy
+    logits, targets = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    assert torch.equal(default_pipeline_loss("M", logits, targets), F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    with pytest.raises(PipelineLayoutError, match=r"M defines no `pipeline_loss\(self, output, target\)` .*\(2, 3\)"):
+        default_pipeline_loss("M", logits[..., 0], targets)
 
 
 def test_manual_optimization_is_refused():
@@ -72,11 +80,12 @@ def test_balance_by_parameters_and_explicit_split():
         plan_pipeline(model, 2)
 
 
-def test_tied_weights_across_stages_are_refused():
+def test_tied_weights_across_stages_are_planned():
     model = gpt(2)
     model.model.lm_head.weight = model.model.transformer.wte.weight
-    with pytest.raises(PipelineLayoutError, match="share a parameter .*untie them"):
-        plan_pipeline(model, 2)
+    plan = plan_pipeline(model, 2)
+    assert plan.tied == [("model.transformer.wte.weight", "model.lm_head.weight")]
+    assert "tied: model.transformer.wte.weight (stage 0) = model.lm_head.weight (stage 1)" in plan.report()
 
 
 def test_unassigned_modules_are_refused():

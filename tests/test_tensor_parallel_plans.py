@@ -1,7 +1,10 @@
 """Tensor-parallel planning and validation: no processes needed, clear errors before any process group."""
 
+import re
+
 import pytest
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
@@ -151,9 +154,16 @@ def test_sequence_parallel_scope():
     plan = plan_tensor_parallel(GPTModule(**SMALL), 2, "auto", sequence_parallel=True)
     names = {fqn: name for fqn, (name, _) in plan.styles.items()}
     assert names["model.transformer.ln_f"] == "norm" and names["model.transformer.h.0.mlp"] == "gather_seq"
-    with pytest.raises(ParallelConfigError, match=r"`sequence_parallel=True` is not supported for module .*LlamaForCausalLM"):
-        plan_tensor_parallel(HFCausalLM("llama"), 2, "auto", sequence_parallel=True)
-    with pytest.raises(ParallelConfigError, match=r"applied by tp_plan='auto'"):
-        plan_tensor_parallel(GPTModule(**SMALL), 2, {"*.c_fc": "colwise"}, sequence_parallel=True)
+    # transformers models: the sequence is split at the first block and gathered after the last, so the parent
+    # derives positions and masks from the whole sequence (trained against one process in tests/test_model_zoo.py)
+    hf = {fqn: name for fqn, (name, _) in
+          plan_tensor_parallel(HFCausalLM("llama"), 2, "auto", sequence_parallel=True).styles.items()}
+    layers = [f for f in hf if re.fullmatch(r"model\.model\.layers\.\d+", f)]
+    assert hf[layers[0]] == "shard_seq" and hf[layers[-1]] == "gather_seq_output", hf
+    assert hf["model.model.embed_tokens"] == "vocab" and "model.model.norm" not in hf  # whole sequence there
+    assert hf["model.model.layers.0.input_layernorm"] == "norm" and hf["model.model.layers.0.mlp"] == "gather_seq"
+    plan_tensor_parallel(GPTModule(**SMALL), 2, {"*": "auto", "*.c_fc": "colwise"}, sequence_parallel=True)
+    with pytest.raises(ParallelConfigError, match=r"rewrites a plan of style names"):
+        plan_tensor_parallel(GPTModule(**SMALL), 2, {"*": "auto", "*.c_fc": ColwiseParallel()}, sequence_parallel=True)
     with pytest.raises(ParallelConfigError, match=r"needs `tensor_parallel_size>1`"):
         NPUHybridStrategy(sequence_parallel=True)

@@ -132,7 +132,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any,
     # one-process run does (interleaved stages would otherwise come rank by rank)
     module_state(model).parameter_order = {n: i for i, (n, _) in enumerate(model.named_parameters(remove_duplicate=False))}
     runner = PipelineRunner(model, plan, mesh["pp"], device, cfg.pipeline_schedule,
-                            cfg.micro_batches or cfg.pipeline_parallel_size)
+                            cfg.micro_batches or cfg.pipeline_parallel_size, mesh=mesh)
     # Lightning broadcasts rank 0's parameters before validate/test: pipeline stages hold different modules
     model._ddp_params_and_buffers_to_ignore = [n for n, _ in model.named_parameters()] + [
         n for n, _ in model.named_buffers()]

@@ -28,6 +28,7 @@ class TensorState:
     fused: Optional[tuple[int, Any]] = None  # a fused projection's tp shard: (dim, parts or their sizes), rank-major
     master: bool = False  # a ZeRO-1 fp32 master slice: checkpoints store it in place of its parameter
     view: bool = False  # a checkpoint template's DTensor view of a local shard: loaded in place
+    pipeline_copy: bool = False  # the last pipeline stage's copy of a tied embedding: norms count stage 0's
 
 
 def module_state(module: torch.nn.Module, create: bool = True) -> Optional[ModuleState]:

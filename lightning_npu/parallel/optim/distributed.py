@@ -149,6 +149,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
                 master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated))
                 tensor_state(master).master = True  # checkpoints store it in place of the parameter
+                tensor_state(master).pipeline_copy = getattr(tensor_state(s.param, create=False), "pipeline_copy", False)
                 self._shard_of[id(s.param)] = master
                 self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param,
                                                            bucket.replicated)

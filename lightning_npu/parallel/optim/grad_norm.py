@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
 try:  # DTensor is public from torch 2.5
@@ -77,8 +78,8 @@ def _global_moments(pairs: Iterable[tuple[Tensor, Optional[Tensor]]], pp_group: 
         bucket = buckets.setdefault(key, [])
         if device is None:
             device = local_tensor(p).device
-        if t is None:
-            continue
+        if t is None or getattr(tensor_state(p, create=False), "pipeline_copy", False):
+            continue  # the last stage's copy of a tied embedding: stage 0 counts it
         if _is_dtensor(t):
             t = _reduced_placements(t).to_local()
         bucket.append(t)

@@ -105,6 +105,21 @@ def _units_around(module: nn.Module, blocks_fqn: str) -> tuple[list[str], list[s
     return before, after
 
 
+def _called_after_blocks(module: nn.Module, blocks_fqn: str, fqn: str) -> bool:
+    """A module registered before the blocks that the forward applies after them (OPT's ``final_layer_norm``):
+    where the blocks' parent ships transformers' ``base_model_pp_plan`` (its modules in forward order) it decides,
+    else a leaf named ``final*``."""
+    parent_fqn, _, blocks_name = blocks_fqn.rpartition(".")
+    parent = module.get_submodule(parent_fqn) if parent_fqn else module
+    order = list(getattr(getattr(parent, "config", None), "base_model_pp_plan", None) or ())
+    prefix = f"{parent_fqn}." if parent_fqn else ""
+    if blocks_name in order and fqn.startswith(prefix):
+        child = fqn[len(prefix):].split(".")[0]
+        if child in order:
+            return order.index(child) > order.index(blocks_name)
+    return fqn.rpartition(".")[2].startswith("final")
+
+
 def balance_blocks(weights: Sequence[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
     """Contiguous split of blocks with `weights` into `num_stages` non-empty stages minimising the heaviest
     stage (stage 0 also carries `first_extra`, the last stage `last_extra`). Returns blocks per stage."""
@@ -144,6 +159,8 @@ class PipelinePlan:
     head: list[str]
     stage_blocks: list[list[int]]
     layout: PipelineLayout
+    # (first stage's name, last stage's name) of each parameter both hold: tied input/output embeddings
+    tied: list[tuple[str, str]] = field(default_factory=list)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if s % self.pp_size == pp_rank]
@@ -163,22 +180,39 @@ class PipelinePlan:
             extra = (" + embed " + ",".join(self.embed) if s == 0 else "") + (
                 " + head " + ",".join(self.head) if s == self.num_stages - 1 else "")
             lines.append(f"  stage {s} (pp rank {s % self.pp_size}): blocks {b[0]}..{b[-1]}{extra}")
+        for first, last in self.tied:
+            lines.append(f"  tied: {first} (stage 0) = {last} (stage {self.num_stages - 1}), gradients summed")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.report()
 
 
+def tied_parameters(module: nn.Module, embed: list[str], head: list[str]) -> list[tuple[str, str]]:
+    """Parameters that an embedding module (first stage) and a head module (last stage) share, by their names there.
+
+    Each end keeps its own copy; the runner sums their gradients between the two stages after backward (Megatron's
+    shared-embedding all-reduce), so the copies stay equal."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+
+    def within(name: str, fqns: list[str]) -> bool:
+        return any(name.startswith(f + ".") for f in fqns)
+
+    tied = []
+    for group in names.values():
+        first = [n for n in group if within(n, embed)]
+        last = [n for n in group if within(n, head)]
+        if first and last:
+            tied.append((first[0], last[0]))
+    return tied
+
+
 def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
                   layout: Optional[PipelineLayout] = None) -> PipelinePlan:
     """Split `module` into pipeline stages (validated, no process group). Raises PipelineLayoutError."""
     layout = layout if layout is not None else declared_layout(module)
-    if not callable(getattr(module, "pipeline_loss", None)):
-        raise PipelineLayoutError(
-            f"`pipeline_parallel_size={pp_size}` needs {type(module).__name__} to define "
-            "`pipeline_loss(self, output, target)`, the loss the last stage computes from its output for one "
-            "micro-batch, e.g. `return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())`."
-        )
     if not getattr(module, "automatic_optimization", True):
         raise PipelineLayoutError(
             f"`pipeline_parallel_size={pp_size}` with {type(module).__name__}.automatic_optimization=False: the pipeline "
@@ -216,6 +250,8 @@ def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
             "pipeline_layout virtual_stages, or use pipeline_schedule='1f1b'."
         )
     before, after = _units_around(module, blocks_fqn)
+    late = [f for f in before if _called_after_blocks(module, blocks_fqn, f)]
+    before, after = [f for f in before if f not in late], late + after
     embed = list(layout.embed) if layout.embed is not None else before
     head = list(layout.head) if layout.head is not None else after
     for fqn in embed + head:
@@ -230,16 +266,7 @@ def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
             f"modules with parameters {orphans} are on no pipeline stage; add them to pipeline_layout 'embed' "
             "(stage 0) or 'head' (last stage)."
         )
-    # the same parameter held by two stages (tied embedding / LM head) cannot be split
-    owner: dict[int, str] = {}
-    for fqn in embed + head:
-        for p in module.get_submodule(fqn).parameters():
-            if id(p) in owner and (owner[id(p)] in embed) != (fqn in embed):
-                raise PipelineLayoutError(
-                    f"`{owner[id(p)]}` and `{fqn}` share a parameter (tied weights) but would live on different "
-                    "pipeline stages; untie them (e.g. tie_word_embeddings=False) to use pipeline parallelism."
-                )
-            owner.setdefault(id(p), fqn)
+    tied = tied_parameters(module, embed, head)
     if layout.split is not None:
         split = list(layout.split)
         if len(split) != num_stages or sum(split) != n or min(split) < 1:
@@ -257,4 +284,4 @@ def plan_pipeline(module: nn.Module, pp_size: int, schedule: str = "1f1b",
     for size in split:
         stage_blocks.append(list(range(start, start + size)))
         start += size
-    return PipelinePlan(pp_size, num_stages, blocks_fqn, n, embed, head, stage_blocks, layout)
+    return PipelinePlan(pp_size, num_stages, blocks_fqn, n, embed, head, stage_blocks, layout, tied)

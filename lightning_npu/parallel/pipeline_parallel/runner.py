@@ -60,6 +60,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lightning_npu.parallel.data_parallel.wrap import (
     finish_backward_without_reduce,
@@ -67,7 +68,9 @@ from lightning_npu.parallel.data_parallel.wrap import (
     fully_shard_sequence_parallel_norms,
 )
 from lightning_npu.parallel.errors import ParallelConfigError
+from lightning_npu.parallel.optim.grad_norm import local_tensor
 from lightning_npu.parallel.pipeline_parallel.plan import PipelineLayoutError, PipelinePlan
+from lightning_npu.parallel.state import tensor_state
 
 
 # ---- splitting the module ------------------------------------------------------------------------
@@ -97,10 +100,64 @@ def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
         setattr(parent, name, new)
 
 
+def _take_received(received: torch.Tensor, started: list[bool], module: nn.Module, args: tuple,
+                   kwargs: dict) -> tuple[tuple, dict]:
+    started[0] = True
+    if args:
+        return (received, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": received}
+
+
+def _capture_output(module: nn.Module, args: Any, output: Any) -> None:
+    raise _Captured(_hidden_of(output))
+
+
 class _Captured(Exception):
     def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__("pipeline stage 0 captured the blocks' input")
+        super().__init__("a pipeline stage captured its blocks' output")
         self.hidden = hidden
+
+
+def _hidden_of(output: Any) -> torch.Tensor:
+    """A block's hidden state: its output, or the first element of the tuple some blocks return (Falcon)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _OtherStageOutput(torch.Tensor):
+    """What a block of another stage returns while a stage replays the forward: its input, read as either block
+    convention reads it (the tensor, or ``output[0]`` of a tuple). The first local block's input replaces it."""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int) and index == 0:
+            return self
+        return super().__getitem__(index)
+
+
+class _OtherStageBlock(nn.Module):
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden_states.detach().as_subclass(_OtherStageOutput)
+
+
+class _EmbeddingStandIn(nn.Module):
+    """An embedding of stage 0 on a later stage's replay: zeros shaped like its output (the input ids' shape and
+    the received hidden state's width; under sequence parallelism the received state is a sequence shard), so the
+    parent forward derives positions, masks and rotary embeddings from the true batch and length."""
+
+    def __init__(self, fqn: str, received: torch.Tensor, inputs: Any, blocks_started: list[bool]) -> None:
+        super().__init__()
+        self.fqn, self.blocks_started = fqn, blocks_started
+        shape = tuple(received.shape)
+        if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() == received.dim() - 1:
+            shape = (*inputs.shape, received.shape[-1])
+        self.like = [received.new_zeros(shape)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.blocks_started[0]:
+            raise PipelineLayoutError(
+                f"`{self.fqn}` is registered before the pipeline blocks, so it was placed on the first stage, but the "
+                f"forward calls it after them; declare it on the last stage: pipeline_layout = {{'head': [..., "
+                f"'{self.fqn}', ...]}} (the modules after the blocks, in order).")
+        return torch.zeros_like(self.like[0])
 
 
 class StageModule(nn.Module):
@@ -117,9 +174,12 @@ class StageModule(nn.Module):
         self.head = nn.ModuleList(head)
         self._runner = [runner]  # not a submodule
 
-    def forward(self, x: Any) -> torch.Tensor:
+    def forward(self, x: Any, inputs: Any = None) -> Any:
+        runner = self._runner[0]
+        if runner.layout.embed_fn is None:
+            return runner.replay(self, x, inputs)
         if self.is_first:
-            x = self._runner[0].embed(x)
+            x = runner.layout.embed_fn(x)
         for block in self.blocks:
             x = block(x)
         for module in self.head:
@@ -177,7 +237,7 @@ class PipelineRunner:
     """Owns this rank's stages and the schedules; `step(kind, batch)` runs one pipelined step."""
 
     def __init__(self, module: nn.Module, plan: PipelinePlan, pp_mesh: Any, device: torch.device,
-                 schedule: str, micro_batches: int) -> None:
+                 schedule: str, micro_batches: int, mesh: Any = None) -> None:
         self.module = module
         self.plan = plan
         self.layout = plan.layout
@@ -191,8 +251,10 @@ class PipelineRunner:
         self.has_last = plan.num_stages - 1 in self.local_stages
         self.last_rank = dist.get_global_rank(self.group, (plan.num_stages - 1) % plan.pp_size)
         self._blocks_list = module.get_submodule(plan.blocks)
-        self._first_block = self._blocks_list[0]
         self.stage_modules = self._split()
+        # tied embeddings: the first and the last stage's copies, whose gradients are summed (`_sum_tied_gradients`)
+        self._tied_group = _tied_group(mesh if mesh is not None else pp_mesh, plan) if plan.tied else None
+        self._mark_tied_copies()
         self._schedules: dict[tuple, Any] = {}
         self._unscaled: dict[int, torch.Tensor] = {}
         self.loss_factor = 1.0
@@ -237,10 +299,38 @@ class PipelineRunner:
                 fully_shard_sequence_parallel_norms(stage, dp_mesh)  # before the stage's own units
             fully_shard_pipeline_stage(stage, dp_mesh, zero_stage, param_dtype)
         self.fully_sharded = True
+        self._mark_tied_copies()  # FSDP2 registered new parameters
         # the sharded parameters (what the optimizer holds): between a forward that keeps them gathered
         # (ZeRO 2, evaluation) and the next backward, the modules expose FSDP's unsharded tensors instead
         self._sharded_params = None
         self._sharded_params = self.stage_parameters()
+
+    def _tied_names(self) -> list[str]:
+        """This rank's names of the tied parameters (first stage: the embedding's, last stage: the head's)."""
+        if self.has_first:
+            return [first for first, _ in self.plan.tied]
+        if self.has_last:
+            return [last for _, last in self.plan.tied]
+        return []
+
+    def _mark_tied_copies(self) -> None:
+        if self.has_last and not self.has_first:
+            for name in self._tied_names():  # the global gradient norm counts the first stage's copy only
+                tensor_state(self.module.get_parameter(name)).pipeline_copy = True
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self, params: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> None:
+        """Megatron's shared-embedding all-reduce: both copies of a tied parameter step with the sum of the first
+        stage's (embedding) and the last stage's (head) gradients, so that they stay equal."""
+        names = self._tied_names()
+        if self._tied_group is None or not names:
+            return
+        index = {id(p): i for i, p in enumerate(params)}
+        for name in names:
+            i = index[id(self.module.get_parameter(name))]
+            if grads[i] is None:
+                grads[i] = torch.zeros_like(params[i])
+            dist.all_reduce(local_tensor(grads[i]), group=self._tied_group)
 
     def stage_parameters(self) -> list[torch.Tensor]:
         if self._sharded_params is not None:
@@ -253,40 +343,65 @@ class PipelineRunner:
                     out.append(p)
         return out
 
-    # -- stage 0's embedding ----------------------------------------------------------------------
-    def embed(self, inputs: Any) -> torch.Tensor:
-        if self.layout.embed_fn is not None:
-            return self.layout.embed_fn(inputs)
-
-        def capture(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            if len(args) != 1 or kwargs:
-                raise PipelineLayoutError(
-                    f"block 0 of `{self.plan.blocks}` is called with {len(args)} positional and {sorted(kwargs)} keyword "
-                    "arguments; pipeline stages pass one hidden-state tensor between blocks. Declare pipeline_layout "
-                    "'embed_fn' (and blocks that take one tensor) for this model."
-                )
-            raise _Captured(args[0])
-
-        handle = self._first_block.register_forward_pre_hook(capture, prepend=True, with_kwargs=True)
+    # -- a stage's part of the module's own forward -----------------------------------------------
+    def replay(self, stage: StageModule, x: Any, inputs: Any) -> Any:
+        """Run the LightningModule's forward for `stage` only: what the parent computes around the blocks
+        (positions, masks, rotary embeddings, the final norm and head, soft-capping) runs as written, on every stage,
+        from the micro-batch's inputs; the blocks of other stages pass through, and a later stage's first block
+        takes the hidden state `x` received from the previous stage. A stage other than the last returns its last
+        block's output."""
+        first = stage.is_first
+        if first:
+            inputs = x
+        local = set(self.plan.stage_blocks[stage.stage])
+        saved_blocks = dict(self._blocks_list._modules)
+        saved_embed = {fqn: self.module.get_submodule(fqn) for fqn in (self.plan.embed if not first else ())}
+        handles = []
         try:
-            self.module(inputs)
+            skip = _OtherStageBlock()
+            for i in range(len(self._blocks_list)):
+                if i not in local:
+                    self._blocks_list._modules[str(i)] = skip
+            started = [False]
+            for fqn in saved_embed:
+                _replace(self.module, fqn, _EmbeddingStandIn(fqn, x, inputs, started))
+            if not first:
+                handles.append(self._blocks_list[min(local)].register_forward_pre_hook(
+                    functools.partial(_take_received, x, started), prepend=True, with_kwargs=True))
+            if not stage.is_last:
+                handles.append(self._blocks_list[max(local)].register_forward_hook(_capture_output))
+            output = self.module(inputs)
         except _Captured as captured:
             return captured.hidden
         finally:
-            handle.remove()
-        raise PipelineLayoutError(
-            f"{type(self.module).__name__}.forward returned without calling block 0 of `{self.plan.blocks}`; declare "
-            "pipeline_layout 'blocks' (the ModuleList the forward loops over) or 'embed_fn'."
-        )
+            for handle in handles:
+                handle.remove()
+            self._blocks_list._modules.update(saved_blocks)
+            for fqn, original in saved_embed.items():
+                _replace(self.module, fqn, original)
+        if not stage.is_last:
+            raise PipelineLayoutError(
+                f"{type(self.module).__name__}.forward returned without calling block {max(local)} of "
+                f"`{self.plan.blocks}`; declare pipeline_layout 'blocks' (the ModuleList the forward loops over).")
+        return output
 
     # -- batches ----------------------------------------------------------------------------------
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """(inputs, targets): `batch_fn`, else ``batch[0], batch[1]``, else a dict's ``labels`` (or ``targets``)
+        and its ``input_ids`` (or its one other tensor)."""
         if self.layout.batch_fn is not None:
             return self.layout.batch_fn(batch)
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
             return batch[0], batch[1]
+        if isinstance(batch, dict):
+            target_key = next((k for k in ("labels", "targets", "target") if k in batch), None)
+            rest = [k for k in batch if k != target_key]
+            input_key = "input_ids" if "input_ids" in batch else (rest[0] if len(rest) == 1 else None)
+            if target_key is not None and input_key is not None:
+                return batch[input_key], batch[target_key]
         raise PipelineLayoutError(
-            f"pipeline parallelism expects batches (inputs, targets, ...), got {type(batch).__name__}; declare "
+            f"pipeline parallelism expects batches (inputs, targets, ...) or a dict with 'input_ids' and 'labels', got "
+            f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, dict) else ''}; declare "
             "pipeline_layout 'batch_fn' returning (inputs, targets)."
         )
 
@@ -339,7 +454,10 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _user_loss(self, output: Any, target: Any) -> torch.Tensor:
-        return self.module.pipeline_loss(output, target)
+        loss_fn = getattr(self.module, "pipeline_loss", None)
+        if callable(loss_fn):
+            return loss_fn(output, target)
+        return default_pipeline_loss(type(self.module).__name__, output, target)
 
     def _train_loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self._user_loss(output, target)
@@ -356,6 +474,10 @@ class PipelineRunner:
         if self.plan.pp_size > 1:
             dist.broadcast(t, src=self.last_rank, group=self.group)
         return t
+
+    def _stage_kwargs(self, inputs: Any) -> dict[str, Any]:
+        """Every stage replays the module's forward from the micro-batch's inputs (`replay`)."""
+        return {"inputs": inputs} if self.layout.embed_fn is None else {}
 
     @staticmethod
     def _shape_key(x: Any) -> tuple:
@@ -383,7 +505,7 @@ class PipelineRunner:
         right after its last micro-batch backward, inside the schedule, instead of after it.
         """
         self.sync_grads = sync_grads
-        self._overlap = overlap and sync_grads
+        self._overlap = overlap and sync_grads and not self.plan.tied  # tied gradients are summed first
         params = self.stage_parameters()
         saved = [p.grad for p in params]
         for p in params:
@@ -404,6 +526,7 @@ class PipelineRunner:
         pending, self._pending_grads = self._pending_grads, None
         if pending is None:
             return False
+        self._sum_tied_gradients(self.stage_parameters(), pending)
         for p, g in zip(self.stage_parameters(), pending):
             if g is None:
                 continue
@@ -421,7 +544,8 @@ class PipelineRunner:
         self._unscaled.clear()
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
+        schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False,
+                      **self._stage_kwargs(inputs))
         mean = None
         if self.has_last:
             mean = torch.stack([self._unscaled[id(l)].float() for l in losses]).mean()
@@ -434,7 +558,7 @@ class PipelineRunner:
         schedule = self._schedule("eval", m, self._shape_key(inputs) + self._shape_key(targets))
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
+        schedule.eval(*args, target=targets if self.has_last else None, losses=losses, **self._stage_kwargs(inputs))
         mean = torch.stack([l.detach().float() for l in losses]).mean() if self.has_last else None
         return self._broadcast(mean)
 
@@ -444,11 +568,49 @@ class PipelineRunner:
         m = self._micro_batches(self._batch_size(inputs), train=False)
         schedule = self._schedule("predict", m, self._shape_key(inputs))
         args = (inputs,) if self.has_first else ()
-        out = schedule.step(*args)
+        out = schedule.step(*args, **self._stage_kwargs(inputs))
         if not self.has_last:
             return None
         # vocab-parallel logits (tensor parallelism) come back as one full tensor (gathered over tp)
         return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+def _tied_group(mesh: Any, plan: PipelinePlan) -> Any:
+    """The process group of the first and the last pipeline rank along each ``pp`` line of `mesh` (created on every
+    rank, in the same order, as ``new_group`` requires); this rank's, or None when it holds neither end."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ("pp",))
+    if plan.pp_size == 2:
+        return (mesh["pp"] if len(names) > 1 else mesh).get_group()
+    return _ends_group(mesh.mesh.movedim(names.index("pp"), 0).reshape(plan.pp_size, -1))
+
+
+def _ends_group(lines: torch.Tensor) -> Any:
+    """`lines[p, k]`: the global rank of pp rank p on line k."""
+    mine, rank = None, dist.get_rank()
+    for k in range(lines.shape[1]):
+        ranks = [int(lines[0, k]), int(lines[-1, k])]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def default_pipeline_loss(owner: str, output: Any, target: Any) -> torch.Tensor:
+    """Cross-entropy of the last stage's logits (a tensor, or an output with ``.logits``) against integer targets of
+    one dimension less: the loss of a module that defines no `pipeline_loss`."""
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)) and logits:
+        logits = logits[0]
+    if (not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or target.is_floating_point()
+            or logits.dim() != target.dim() + 1):
+        raise PipelineLayoutError(
+            f"{owner} defines no `pipeline_loss(self, output, target)` and its forward's output "
+            f"({type(output).__name__}{' ' + str(tuple(logits.shape)) if isinstance(logits, torch.Tensor) else ''}) "
+            f"against the targets ({type(target).__name__}"
+            f"{' ' + str(tuple(target.shape)) if isinstance(target, torch.Tensor) else ''}) is not logits for "
+            "cross-entropy; define `pipeline_loss`, the loss the last stage computes for one micro-batch."
+        )
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 
 def bubble_fraction(pp_size: int, micro_batches: int, virtual_stages: int = 1) -> float:

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, lo
 from torch.overrides import TorchFunctionMode
 
 from lightning_npu.parallel.errors import ParallelConfigError
+from lightning_npu.parallel.pipeline_parallel.plan import find_blocks
 from lightning_npu.parallel.tensor_parallel.auto import AutoPlan, auto_plan, qkv_parts
 from lightning_npu.parallel.tensor_parallel.logits import unwrap_logits
 from lightning_npu.parallel.tensor_parallel.styles import (
@@ -55,7 +56,9 @@ from lightning_npu.parallel.tensor_parallel.styles import (
     KV_NAMES,
     PER_HEAD_ATTRS,
     Q_NAMES,
+    FullSequence,
     GatherSequence,
+    SequenceShardedBlocks,
     ShardSequenceOutput,
     _features,
     _is_linear,
@@ -147,8 +150,7 @@ def plan_tensor_parallel(
     plan = TensorParallelPlan(tp_size)
     if tp_size == 1 or tp_plan is None:
         return plan
-    if sequence_parallel:
-        _check_sequence_parallel(model, tp_plan)
+    sp_blocks = _check_sequence_parallel(model, tp_plan) if sequence_parallel else None
     modules = dict(model.named_modules())
     entries = {"*": "auto"} if tp_plan == "auto" else tp_plan
     automatic = auto_plan(model, modules)
@@ -189,7 +191,7 @@ def plan_tensor_parallel(
     plan.sources = [s for s in automatic.sources if any(v == "auto" for v in entries.values())]
     _validate(plan, modules)
     if sequence_parallel:
-        _make_sequence_parallel(plan, modules)
+        _make_sequence_parallel(plan, modules, sp_blocks)
     return plan
 
 
@@ -236,39 +238,90 @@ def _fused_parts(fqn: str, style: str, modules: dict[str, nn.Module], automatic:
     return qkv_parts(modules.get(fqn.rpartition(".")[0]), _features(module)[1]) if _is_linear(module) else 3
 
 
-def _check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
-    if tp_plan != "auto":
+def _check_sequence_parallel(model: nn.Module, tp_plan: Any) -> Optional[str]:
+    """The block list whose inputs and outputs bound the sequence-sharded region, for models whose forward derives
+    positions and masks from the embedding output's length (transformers models); None for nanoGPT-style models,
+    which shard from the embedding on (positions from the input ids)."""
+    if tp_plan != "auto" and not (isinstance(tp_plan, dict) and all(isinstance(v, str) for v in tp_plan.values())):
         raise ParallelConfigError(
-            "`sequence_parallel=True` is applied by tp_plan='auto'; with a dict plan leave sequence_parallel=False "
-            "and put the layouts in the plan ('sequence' style, DTensor SequenceParallel/PrepareModuleInput objects)."
+            "`sequence_parallel=True` rewrites a plan of style names (tp_plan='auto', or a dict of names such as "
+            "{'*': 'auto', '*.mlp.experts': 'replicate'}); with ParallelStyle objects in the plan leave "
+            "sequence_parallel=False and put the layouts in the plan (DTensor SequenceParallel/PrepareModuleInput)."
         )
-    for fqn, module in model.named_modules():
-        for cls in type(module).__mro__:
-            if cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers"):
-                raise ParallelConfigError(
-                    f"`sequence_parallel=True` is not supported for module {fqn or type(model).__name__} "
-                    f"({type(module).__name__}): transformers models derive positions and the attention mask from "
-                    "the embedding output's length, which sequence parallelism shards. It supports nanoGPT-style "
-                    "models (positions from the input ids); set sequence_parallel=False."
-                )
+    transformers_model = any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+        for module in model.modules() for cls in type(module).__mro__)
+    return find_blocks(model) if transformers_model else None
 
 
-def _make_sequence_parallel(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
-    """Rewrite a resolved auto plan so activations are sequence-sharded between blocks."""
-    blocks = {fqn.rpartition(".")[0] for fqn, (name, _) in plan.styles.items()
-              if name in ("colwise", "qkv", "gate_up")}
+def _make_sequence_parallel(plan: TensorParallelPlan, modules: dict[str, nn.Module],
+                            blocks: Optional[str] = None) -> None:
+    """Rewrite a resolved auto plan so activations are sequence-sharded between blocks.
+
+    `blocks` (transformers models): the sequence is split at the first block's input and gathered at the last
+    block's output, so that everything the parent model computes from the embedding's output (positions, masks,
+    rotary embeddings) sees the whole sequence; inside, norms and residuals run on sequence shards."""
+    def in_blocks(fqn: str) -> bool:
+        return blocks is None or fqn.startswith(blocks + ".")
+
+    def is_block(fqn: str) -> bool:
+        return blocks is not None and fqn.rpartition(".")[0] == blocks
+
+    gathered = {"colwise", "qkv", "gate_up"} | ({"colwise_rep"} if blocks is not None else set())
+    parents = {fqn.rpartition(".")[0] for fqn, (name, _) in plan.styles.items()
+               if name in gathered and in_blocks(fqn)}
+    seq_dim = 1 if blocks is None else -2
     styles: dict[str, tuple[str, ParallelStyle]] = {}
-    for fqn in sorted(blocks):
-        styles[fqn] = ("gather_seq", GatherSequence())
+    if blocks is not None:
+        n = len(modules[blocks])
+        first, last = f"{blocks}.0", f"{blocks}.{n - 1}"
+        styles[first] = ("shard_seq", SequenceShardedBlocks(shard_input=True, gather_output=n == 1, seq_dim=seq_dim))
+        if n > 1:
+            styles[last] = ("gather_seq_output", SequenceShardedBlocks(False, gather_output=True, seq_dim=seq_dim))
+    for fqn in sorted(parents):
+        if not is_block(fqn):  # a projection right under a block (OPT's fc1) gathers its own input instead
+            styles[fqn] = ("gather_seq", GatherSequence(seq_dim))
     for fqn, (name, style) in plan.styles.items():
-        styles[fqn] = (name, _sequence_parallel_style(name, modules[fqn], getattr(style, "fused", None)))
-    replicated = []
+        fused = getattr(style, "fused", None)
+        if not in_blocks(fqn):
+            styles[fqn] = (name, style)
+        elif fqn.rpartition(".")[0] in parents and is_block(fqn.rpartition(".")[0]) and name in gathered:
+            styles[fqn] = (name, _sequence_parallel_style(name, modules[fqn], fused, gather_input=True,
+                                                          seq_dim=seq_dim))
+        else:
+            styles[fqn] = (name, _sequence_parallel_style(name, modules[fqn], fused, seq_dim=seq_dim))
+    replicated, full = [], []
+    if blocks is not None:
+        # a block's part that the plan leaves whole (DeepSeek-V3's attention, replicated experts) runs on the
+        # gathered sequence; norms run on shards
+        for fqn, module in modules.items():
+            if not is_block(fqn.rpartition(".")[0]) or not any(True for _ in module.parameters()):
+                continue
+            if any(f == fqn or f.startswith(fqn + ".") for f in styles):
+                continue
+            if list(module.children()) or not all(p.dim() == 1 for p in module.parameters(recurse=False)):
+                styles[fqn] = ("full_sequence", FullSequence(seq_dim))
+        # every other module with parameters of its own that sees sequence shards (not under a module that
+        # gathers them: routers, replicated experts beside shared ones, norms) gets its gradient summed over tp
+        full = [f for f, (name, _) in styles.items() if name in ("gather_seq", "full_sequence") or
+                (f.rpartition(".")[0] in parents and is_block(f.rpartition(".")[0]) and name in gathered)]
+        for fqn, module in modules.items():
+            own = list(module.parameters(recurse=False))
+            if (not own or not in_blocks(fqn) or fqn in styles
+                    or any(fqn == f or fqn.startswith(f + ".") for f in full)):
+                continue
+            norm = all(p.dim() == 1 for p in own)
+            styles[fqn] = ("norm", _sequence_parallel_style("norm", module, seq_dim=seq_dim)) if norm else (
+                "replicate_sum_grad", style_from_name("replicate_sum_grad", module))
     for fqn in plan.replicated:
         module = modules[fqn]
-        if isinstance(module, nn.Embedding):
+        if not in_blocks(fqn) or fqn in styles or any(fqn.startswith(f + ".") for f in full):
+            if fqn not in styles:
+                replicated.append(fqn)
+        elif isinstance(module, nn.Embedding):
             styles[fqn] = ("position", ShardSequenceOutput())
         elif all(p.dim() == 1 for p in module.parameters(recurse=False)):
-            styles[fqn] = ("norm", _sequence_parallel_style("norm", module))
+            styles[fqn] = ("norm", _sequence_parallel_style("norm", module, seq_dim=seq_dim))
         else:
             replicated.append(fqn)
     plan.styles = styles

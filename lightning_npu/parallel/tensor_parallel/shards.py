@@ -60,9 +60,12 @@ def _wrap(local_value: torch.Tensor, sharding: Sharding) -> DTensor:
 
 
 def share_layout(copy: torch.Tensor, param: torch.Tensor) -> None:
-    """`copy` (an fp32 master of `param`, same local shape) is sharded as `param` is."""
+    """`copy` (an fp32 master of `param`, same local shape) is sharded as `param` is (and is a tied pipeline copy
+    where `param` is one)."""
     if _sharding(param) is not None:
         tensor_state(copy).sharding = _sharding(param)
+    if getattr(tensor_state(param, create=False), "pipeline_copy", False):
+        tensor_state(copy).pipeline_copy = True
 
 
 def localize_parameters(model: nn.Module) -> int:

@@ -286,6 +286,72 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+def _seq_shard(t: torch.Tensor, mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
+    """This rank's sequence slice of a replicated tensor: no communication forward, all-gather backward."""
+    dt = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+    return dt.redistribute(mesh, [Shard(seq_dim)]).to_local()
+
+
+class SequenceShardedBlocks(ParallelStyle):
+    """The ends of the sequence-sharded region of a transformers model: the first block's hidden-state input is
+    split along the sequence, the last block's output gathered back. The parent model computes positions, masks and
+    rotary embeddings from the whole sequence, and its final norm and head see it whole."""
+
+    def __init__(self, shard_input: bool, gather_output: bool, seq_dim: int = 1) -> None:
+        super().__init__()
+        self.shard_input, self.gather_output, self.seq_dim = shard_input, gather_output, seq_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args and isinstance(args[0], torch.Tensor):
+                args = (_seq_shard(args[0], device_mesh, self.seq_dim), *args[1:])
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                kwargs = {**kwargs, "hidden_states": _seq_shard(kwargs["hidden_states"], device_mesh, self.seq_dim)}
+            return args, kwargs
+
+        def gather(mod: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, torch.Tensor):
+                return _seq_gather(output, device_mesh, self.seq_dim)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (_seq_gather(output[0], device_mesh, self.seq_dim), *output[1:])
+            return output
+
+        if self.shard_input:
+            module.register_forward_pre_hook(shard, with_kwargs=True)
+        if self.gather_output:
+            module.register_forward_hook(gather)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SequenceShardedBlocks(shard_input={self.shard_input}, gather_output={self.gather_output})"
+
+
+class FullSequence(ParallelStyle):
+    """A module inside the sequence-sharded region that the plan leaves whole (transformers' DeepSeek-V3 attention,
+    replicated MoE experts): it runs on the gathered sequence and its output is split again, so it computes what one
+    process does (every tp rank the same: no gradient to sum)."""
+
+    def __init__(self, seq_dim: int = -2) -> None:
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        GatherSequence(self.seq_dim)._apply(module, device_mesh)
+
+        def shard(mod: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, torch.Tensor):
+                return _seq_shard(output, device_mesh, self.seq_dim)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (_seq_shard(output[0], device_mesh, self.seq_dim), *output[1:])
+            return output
+
+        module.register_forward_hook(shard)
+        return module
+
+    def __repr__(self) -> str:
+        return "FullSequence()"
+
+
 class ShardSequenceOutput(ParallelStyle):
     """Sequence parallelism for a replicated module (position embedding): keep this rank's sequence slice
     of its output (dim ``-2`` of ``[..., seq, hidden]``); no communication forward, all-gather backward."""
@@ -299,20 +365,30 @@ class ShardSequenceOutput(ParallelStyle):
         return module
 
 
-def _sequence_parallel_style(name: str, module: nn.Module, fused: Optional[Fused] = None) -> ParallelStyle:
-    """The `name` style with activations sequence-sharded (dim 1) between blocks."""
+def _sequence_parallel_style(name: str, module: nn.Module, fused: Optional[Fused] = None,
+                             gather_input: bool = False, seq_dim: int = 1) -> ParallelStyle:
+    """The `name` style with activations sequence-sharded (dim `seq_dim`) between blocks (`gather_input`: a
+    column-parallel projection that all-gathers its sequence-sharded input itself). transformers models use
+    ``seq_dim=-2``, the token dim both of ``[batch, seq, hidden]`` and of the ``[tokens, hidden]`` some MLPs
+    flatten to (OPT): norms and MLPs act on each token, so any split of the tokens gives the same result."""
+    if gather_input:
+        style = style_from_name(name, module, fused)
+        style.input_layouts = (Shard(seq_dim),)
+        return style
+    if name == "rowwise_rep":
+        return Rowwise(input_layouts=Replicate(), output_layouts=Shard(seq_dim))
     if name == "vocab" and isinstance(module, nn.Embedding):
-        return Rowwise(input_layouts=Replicate(), output_layouts=Shard(1))
+        return Rowwise(input_layouts=Replicate(), output_layouts=Shard(seq_dim))
     if name == "vocab":
-        return VocabParallelHead(input_layouts=Shard(1))
+        return VocabParallelHead(input_layouts=Shard(seq_dim))
     if name == "rowwise":
-        return Rowwise(output_layouts=Shard(1))
+        return Rowwise(output_layouts=Shard(seq_dim))
     if name == "position":
         return ShardSequenceOutput()
     if name == "norm":
-        return SequenceParallel(use_local_output=True)
+        return SequenceParallel(sequence_dim=seq_dim, use_local_output=True)
     if name == "gather_seq":
-        return GatherSequence()
+        return GatherSequence(seq_dim)
     return style_from_name(name, module, fused)
 
 
