@@ -22,6 +22,7 @@ import lightning_npu
 from lightning_npu import NPUHybridStrategy
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB, IMAGE = 3, 4, 16, 128, 16
+CLIP = 0.5  # below every model's gradient norm here: each step clips, by the global norm the layout computes
 DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=64)
 
@@ -217,14 +218,16 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
     world = _world()
     L.seed_everything(0, verbose=False)
     model = model_cls(name)
+    strategy_kwargs = dict(strategy_kwargs)
+    precision = strategy_kwargs.pop("precision", "32-true")  # a Trainer argument, carried with the layout
     strategy = NPUHybridStrategy(**strategy_kwargs)
     cfg = strategy.parallel_config
     dp = world // (cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
     losses = Losses()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False, precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
-        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
     )
     loader = DataLoader(ZooData(model.kind), batch_size=GLOBAL_BATCH // dp, shuffle=False)
     try:

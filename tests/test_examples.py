@@ -28,7 +28,7 @@ def test_gpt_config_uses_bf16_clipping_stability_callbacks_and_more_than_dp():
                          "lightning_npu.callbacks.GradientHealthGuard": None}
 
 
-def test_llama_config_trains_a_transformers_llama_with_tp2(tmp_path):
+def test_llama_config_trains_a_transformers_llama_with_pp2_tp2(tmp_path):
     cli = Path(sys.executable).with_name("lightning-npu")
     cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "lightning_npu.cli"]
     cmd += [
@@ -45,11 +45,12 @@ def test_llama_config_trains_a_transformers_llama_with_tp2(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "Starting with 2 processes" in out and "`Trainer.fit` stopped: `max_steps=2` reached." in out
+    assert "Starting with 4 processes" in out and "`Trainer.fit` stopped: `max_steps=2` reached." in out
     path = tmp_path / "checkpoints" / "step=00000002.ckpt"  # DynamicCheckpoint's save at train end
     meta = read_meta(path)
-    assert meta["lightning_npu"]["tensor_parallel_size"] == 2 and meta["global_step"] == 2
-    # the weights really are split over the two tp ranks: one chunk each, full shapes in the checkpoint
+    layout = meta["lightning_npu"]
+    assert layout["tensor_parallel_size"] == 2 and layout["pipeline_parallel_size"] == 2 and meta["global_step"] == 2
+    # the weights really are split over the two tp ranks of each stage: one chunk each, full shapes in the checkpoint
     tensors = checkpoint_tensor_metadata(path)
     for name, shape in [("model.model.layers.0.self_attn.q_proj.weight", (64, 64)),
                         ("model.model.layers.0.mlp.down_proj.weight", (64, 176)),

@@ -1,5 +1,6 @@
-"""Stock `transformers` models (tiny configs, no weights) under tp=2 and under dp with ZeRO 1 and 3, on 2 CPU processes
-(gloo), compared step by step with one process reading the same samples (fp32).
+"""Stock `transformers` models (tiny configs, no weights) under tp=2 (with and without sequence parallelism), pp=2 and
+dp with ZeRO 1 and 3, on 2 CPU processes (gloo), compared step by step with one process reading the same samples (fp32,
+every step clipped by the global gradient norm).
 
 One launch per layout trains every model in turn (tests/_model_zoo_workers.py). A case either matches one process
 (EXACT: every step's logged loss within rtol 1e-4, the final full state within 1e-5 of a 1e-3 learning rate's
@@ -22,26 +23,38 @@ LOSS_RTOL, STATE_ATOL = 1e-4, 1e-5
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "layouts.md"
 DOCS_BEGIN, DOCS_END = "<!-- model-zoo: begin (tests/test_model_zoo.py) -->", "<!-- model-zoo: end -->"
 
-DP_MODELS = ["llama", "qwen2", "mistral", "gemma3", "phi3", "gpt2", "gpt-neox", "opt", "falcon", "bert", "vit", "clip"]
+DP_MODELS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt2", "gpt-neox", "opt", "falcon", "bert", "vit",
+             "clip", "mixtral", "qwen3-moe", "deepseek-v3"]
+DECODERS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt2", "gpt-neox", "opt", "falcon", "mixtral",
+            "qwen3-moe", "deepseek-v3"]
+MOE = ["mixtral", "qwen3-moe", "deepseek-v3"]
+EXPERTS_REPLICATED = {"tp_plan": {"*": "auto", "*.mlp.experts": "replicate"}}
 # Phi-3 with its q|k|v split by heads (the model's own plan gathers qkv_proj's output instead): unequal parts
 PHI3_SPLIT = {"tp_plan": {"*": "auto", "*.qkv_proj": "qkv", "*.self_attn.o_proj": "rowwise",
                           "*.gate_up_proj": "gate_up", "*.mlp.down_proj": "rowwise"}}
 TP_CASES = {
-    **{name: Case(name) for name in MODELS if name != "mixtral"},
+    **{name: Case(name) for name in MODELS if name not in MOE},
     "phi3 (qkv split)": Case("phi3", PHI3_SPLIT),
     "phi3-mha (qkv split)": Case("phi3-mha", PHI3_SPLIT),
     # ZeRO 3 on top of tp: FSDP2 over the tp DTensors (per-head norms' partial gradients, CLIP's scalar left out)
     "gemma3 zero3": Case("gemma3", {"zero_stage": 3}),
     "clip zero3": Case("clip", {"zero_stage": 3}),
     "mixtral": Case("mixtral"),
-    "mixtral (experts replicated)": Case("mixtral", {"tp_plan": {"*": "auto", "*.mlp.experts": "replicate"}}),
+    **{f"{name} (experts replicated)": Case(name, EXPERTS_REPLICATED) for name in MOE},
     "error in a sharded forward": Case("llama", model_cls="RaisesInShardedForward"),
 }
+# sequence parallelism: the decoders, MoE experts replicated (the MoE issue's to split)
+SP_CASES = {(f"{name} (experts replicated)" if name in MOE else name): Case(name, EXPERTS_REPLICATED if name in MOE
+                                                                            else {}) for name in DECODERS}
 LAYOUTS = {
     "tp2": ({"tensor_parallel_size": 2}, TP_CASES),
+    "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, SP_CASES),
+    "pp2": ({"pipeline_parallel_size": 2}, {name: Case(name) for name in DECODERS}),
     "dp2-zero1": ({"zero_stage": 1}, {name: Case(name) for name in DP_MODELS}),
     "dp2-zero3": ({"zero_stage": 3}, {name: Case(name) for name in DP_MODELS}),
 }
+TITLES = {"tp2": "tp=2", "tp2-sp": "tp=2, sequence parallel", "pp2": "pp=2", "dp2-zero1": "dp=2, ZeRO-1",
+          "dp2-zero3": "dp=2, ZeRO-3"}
 REFUSED = {  # (layout, case) -> what the error must say
     ("tp2", "mixtral"): r"ParallelConfigError: tp_plan='auto' cannot shard module model\.model\.layers\.0\.mlp\.experts "
                         r".*MoE experts are not tensor-parallel here yet.*'model\.model\.layers\.\*\.mlp\.experts': "
@@ -118,13 +131,29 @@ def test_plans_come_from_the_model(zoo):
 
 
 def matrix_markdown(zoo: dict) -> str:
-    rows = ["| model | tp=2 | dp=2, ZeRO-1 | dp=2, ZeRO-3 |", "| --- | --- | --- | --- |"]
-    for name in TP_CASES:
-        if TP_CASES[name].model_cls != "ZooModule":
-            continue
+    rows = ["| model | " + " | ".join(TITLES[layout] for layout in LAYOUTS) + " |",
+            "| --- |" + " --- |" * len(LAYOUTS)]
+    names = list(dict.fromkeys(n for _, cases in LAYOUTS.values() for n, c in cases.items()
+                               if c.model_cls == "ZooModule"))
+    for name in names:
         cells = [cell(zoo, layout, name) if name in LAYOUTS[layout][1] else "" for layout in LAYOUTS]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def test_layouts_are_what_they_say(zoo):
+    """The pp and sp cells ran split: stages own disjoint blocks, tied embeddings are summed between the ends, the
+    sequence is split at the first block (not silently a replicated run)."""
+    pp = {name: [zoo["pp2"][rank][name]["report"] for rank in range(2)] for name in DECODERS}
+    assert "stage 1 (pp rank 1): blocks 1..1 + head model.model.norm,model.lm_head" in pp["llama"][0]
+    assert "tied: model.transformer.wte.weight (stage 0) = model.lm_head.weight (stage 1)" in pp["gpt2"][0]
+    # OPT registers final_layer_norm before its layers; it is applied after them, on the last stage
+    assert "head model.model.decoder.final_layer_norm,model.lm_head" in pp["opt"][0]
+    sp = zoo["tp2-sp"][0]["llama"]["report"]
+    assert "model.model.layers.0: shard_seq" in sp and "model.model.layers.1: gather_seq_output" in sp
+    assert "model.model.layers.0.input_layernorm: norm" in sp
+    ds = zoo["tp2-sp"][0]["deepseek-v3 (experts replicated)"]["report"]
+    assert "model.model.layers.1.self_attn: full_sequence" in ds and "layers.1.mlp.gate: replicate_sum_grad" in ds
 
 
 def test_docs_show_the_measured_matrix(zoo):

@@ -2,20 +2,18 @@
 
 The LightningModule contract (small on purpose; the same module runs unchanged with P=1):
 
-1. **A loss on the last stage's output.** Define ``pipeline_loss(self, output, target) -> Tensor``
-   (mean over the micro-batch): the last stage calls it once per micro-batch with its output
-   (e.g. the logits) and that micro-batch's targets. GPT: ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``.
-2. **A forward shaped like a decoder**: ``hidden = <embedding>(inputs)``; ``for block in <ModuleList>:
-   hidden = block(hidden)``; ``output = head(...norm(hidden))``. Found automatically:
-
-   * the *blocks* are the ``nn.ModuleList`` holding the most parameters (GPT's ``transformer.h``,
-     Llama's ``model.layers``); each block takes and returns one hidden-state tensor;
-   * stage 0 holds every module with parameters registered *before* the blocks (``wte``, ``wpe``) and
-     computes the blocks' input by running the module's own ``forward(inputs)`` until block 0 is
-     called (so position embeddings, dropout, scaling... are whatever the forward does);
-   * the last stage holds the modules with parameters registered *after* the blocks and applies them
-     in registration order (``ln_f`` then ``lm_head``; Llama's ``norm`` then ``lm_head``), then the loss.
-3. **Batches** are ``(inputs, targets, ...)``: stage 0 gets ``batch[0]``, the loss gets ``batch[1]``.
+1. **A loss on the last stage's output.** ``pipeline_loss(self, output, target) -> Tensor`` (mean over the
+   micro-batch), called once per micro-batch with the last stage's output and that micro-batch's targets; without
+   it, the cross-entropy of the output's logits (`default_pipeline_loss`).
+2. **A forward over a block list**: the *blocks* are the ``nn.ModuleList`` holding the most parameters (GPT's
+   ``transformer.h``, a transformers decoder's ``model.layers``). Stage 0 holds the modules with parameters
+   registered before the blocks, the last stage those after (`plan.plan_pipeline`). Each stage runs the module's
+   own ``forward(inputs)`` for its part (`PipelineRunner.replay`): what the forward computes around the blocks
+   (positions, masks, rotary embeddings, the final norm and head) runs as written on every stage from the
+   micro-batch's inputs, which every stage receives; other stages' blocks pass through, a later stage's first
+   block takes the received hidden state, and a stage before the last returns its last block's output. Blocks may
+   take any arguments; only the hidden state travels.
+3. **Batches** are ``(inputs, targets, ...)`` or a dict with ``input_ids`` and ``labels``.
 
 Unusual models declare a ``pipeline_layout`` (class attribute or method returning a dict or
 :class:`PipelineLayout`) naming ``blocks``/``embed``/``head`` by qualified name, an ``embed_fn``, a
@@ -34,7 +32,9 @@ Physically each rank keeps only its stages' modules: the others are replaced in 
 parameterless placeholders, so ``parameters()``/``state_dict()`` of a rank are those of its stages under
 their original names (checkpoints are per stage and reshard by name), and ``configure_optimizers``
 sees only local parameters. Gradients are plain tensors owned by exactly one stage: a global gradient
-norm is the per-stage sum of squares all-reduced over the ``pp`` group.
+norm is the per-stage sum of squares all-reduced over the ``pp`` group. The exception, tied input/output
+embeddings: the first and the last stage each hold a copy, their gradients are summed between the two
+(`_sum_tied_gradients`) and the last stage's copy is marked so that norms count the first stage's only.
 
 ZeRO 2/3 (``zero_stage`` 2 or 3) compose as in torchtitan: stage modules, then FSDP2 over ``dp`` on each
 stage module (`PipelineRunner.fully_shard`, which calls `lightning_npu.parallel.data_parallel.wrap.fully_shard_pipeline_stage`),
