@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_npu import device as dev
+from lightning_npu.accelerator import NPUAccelerator, log_availability
 from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
@@ -205,6 +206,9 @@ class NPUHybridStrategy(DDPStrategy):
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
+        if not getattr(self, "_npu_line_logged", False) and not isinstance(self.accelerator, NPUAccelerator):
+            self._npu_line_logged = True  # first called by the accelerator connector, before Lightning's GPU line
+            log_availability(used=False)
         # The Trainer calls this as soon as it knows the devices: a bad layout fails at `Trainer(...)`.
         if self.cluster_environment is not None and self.parallel_devices:
             self.parallel_config.resolve(self.world_size)

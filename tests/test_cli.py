@@ -83,6 +83,19 @@ def test_strategy_help_describes_every_argument(name, capsys):
     assert "ARCHITECTURE" not in NPUHybridStrategy.__doc__
 
 
+def test_version(capsys):
+    import lightning
+    import torch
+
+    import lightning_npu
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"lightning-npu {lightning_npu.__version__} (lightning {lightning.__version__}, torch {torch.__version__})")
+
+
 def test_fit_help_documents_ckpt_path_latest(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["fit", "--help"])
