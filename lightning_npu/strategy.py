@@ -60,6 +60,7 @@ from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
 from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
 from lightning_npu.precision.hybrid import HybridPrecision, as_hybrid_precision
+from lightning_npu.summary import use_whole_model_summary
 
 
 class NPUHybridStrategy(DDPStrategy):
@@ -440,6 +441,7 @@ class NPUHybridStrategy(DDPStrategy):
         if isinstance(self.precision_plugin, HybridPrecision):
             self.precision_plugin.layout_backward = self._layout_backward
         super().setup(trainer)
+        use_whole_model_summary(trainer)  # the summary counts every stage and shard, not rank 0's
         cfg = self.parallel_config
         module = self.lightning_module
         if cfg.pipeline_parallel_size > 1 and (self._pipeline is None or self._pipeline.module is not module):
