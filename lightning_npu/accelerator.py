@@ -18,8 +18,16 @@ from typing import Any, Union
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_npu import device as dev
+
+
+def log_availability(used: bool) -> None:
+    """``NPU available: ...`` beside the Trainer's "GPU available" and "TPU available" lines, which Lightning
+    prints for its own devices only and has no hook for others: the accelerator (used) or npu_hybrid (on
+    another device) says it while Lightning's accelerator connector builds them, just before those lines."""
+    rank_zero_info(f"NPU available: {dev.npu_available()} (torch_npu), used: {used}")
 
 
 class NPUAccelerator(Accelerator):
@@ -33,6 +41,7 @@ class NPUAccelerator(Accelerator):
                 "`torch_npu` is installed but reports no usable NPU (torch.npu.is_available() is False). "
                 "Check `npu-smi info` and that the CANN environment (`set_env.sh`) is sourced."
             )
+        log_availability(used=True)
 
     def setup(self, trainer: Any) -> None:
         """Strategies call this before they use the precision plugin: retarget AMP to the NPU."""

@@ -35,6 +35,12 @@ from lightning_npu.planner.cli import command as plan_command
 
 PROG = "lightning-npu"
 LATEST = "latest"
+CKPT_PATH_HELP = (
+    f'"{LATEST}" (lightning-npu): the newest complete checkpoint that the configured DynamicCheckpoint or '
+    "ModelCheckpoint callbacks wrote, or a fresh start when there is none, so that one command starts and "
+    'continues a run. "last" (Lightning): the newest of DynamicCheckpoint\'s checkpoints and ModelCheckpoint\'s '
+    "last.ckpt. Lightning's text: "
+)
 
 
 def convert_checkpoint(args: list[str]) -> None:
@@ -109,6 +115,13 @@ def build_ops(args: list[str]) -> None:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         parser.exit(1, f"{PROG} build-ops: the fused C++ kernels could not be built: {first}\n")
     print(f"fused C++ kernels ready: {library}")
+
+
+def version_line() -> str:
+    import lightning
+    import torch
+
+    return f"{PROG} {lightning_npu.__version__} (lightning {lightning.__version__}, torch {torch.__version__})"
 
 
 def _fail(prog: str, err: BaseException) -> None:
@@ -216,7 +229,7 @@ def find_latest_checkpoint(trainer: Any) -> tuple[Optional[str], list[Path]]:
                 candidates[found] = Path(found).stat().st_mtime
     verified = set(candidates)
     for cb in trainer.callbacks:
-        if not isinstance(cb, ModelCheckpoint):
+        if not isinstance(cb, ModelCheckpoint) or isinstance(cb, DynamicCheckpoint):
             continue
         for dirpath in _model_checkpoint_dirs(trainer, cb):
             searched.append(dirpath)
@@ -251,12 +264,17 @@ class NPUCLI(LightningCLI):
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]) -> None:
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        self.parser.add_argument("--version", action="version", version=version_line(),
+                                 help="Print the versions of lightning-npu, Lightning and torch, and exit.")
         if add_subcommands:
             # listed in --help only: main() runs these before LightningCLI parses
             action = self.parser._subcommands_action
             for name, (_, help_text) in COMMANDS.items():
                 action.add_subcommand(name, LightningArgumentParser(prog=f"{PROG} {name}", description=help_text),
                                       help=help_text)
+            for ckpt_action in action._name_parser_map["fit"]._actions:
+                if ckpt_action.dest == "ckpt_path":
+                    ckpt_action.help = CKPT_PATH_HELP + (ckpt_action.help or "")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # `args=None` reads sys.argv (the console script); a list replaces it (main([...]) from Python). Either

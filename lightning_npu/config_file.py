@@ -194,5 +194,9 @@ def explain(message: str, paths: list[str], help_command: str, args: Sequence[st
     class_path = _CLASS_PATH.search(message)  # a constructor refused its arguments: where that class is configured
     found = locate(paths, "", leaf="class_path", value=class_path.group(1)) if class_path else None
     if found:
-        return f"{found[0]}, line {found[1]}: {found[2].rsplit('.', 1)[0]}: {reasons}"
+        key = found[2].rsplit(".", 1)[0]
+        # the file names the class; options of the command line may have given the value it refused
+        flags = list(dict.fromkeys(a.split("=", 1)[0] for a in args if a.startswith(f"--{key}.")))
+        given = f" (with {', '.join(flags)} from the command line)" if flags else ""
+        return f"{found[0]}, line {found[1]}: {key}{given}: {reasons}"
     return reasons

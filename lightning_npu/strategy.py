@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_npu import device as dev
+from lightning_npu.accelerator import NPUAccelerator, log_availability
 from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
@@ -59,6 +60,7 @@ from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
 from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
 from lightning_npu.precision.hybrid import HybridPrecision, as_hybrid_precision
+from lightning_npu.summary import use_whole_model_summary
 
 
 class NPUHybridStrategy(DDPStrategy):
@@ -205,6 +207,9 @@ class NPUHybridStrategy(DDPStrategy):
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
+        if not getattr(self, "_npu_line_logged", False) and not isinstance(self.accelerator, NPUAccelerator):
+            self._npu_line_logged = True  # first called by the accelerator connector, before Lightning's GPU line
+            log_availability(used=False)
         # The Trainer calls this as soon as it knows the devices: a bad layout fails at `Trainer(...)`.
         if self.cluster_environment is not None and self.parallel_devices:
             self.parallel_config.resolve(self.world_size)
@@ -436,6 +441,7 @@ class NPUHybridStrategy(DDPStrategy):
         if isinstance(self.precision_plugin, HybridPrecision):
             self.precision_plugin.layout_backward = self._layout_backward
         super().setup(trainer)
+        use_whole_model_summary(trainer)  # the summary counts every stage and shard, not rank 0's
         cfg = self.parallel_config
         module = self.lightning_module
         if cfg.pipeline_parallel_size > 1 and (self._pipeline is None or self._pipeline.module is not module):

@@ -270,6 +270,19 @@ def test_a_bad_value_set_on_the_command_line_is_named_as_the_option(tmp_path, ca
         "lightning-npu fit: error: --trainer.max_steps: Expected a <class 'int'>. Got value: many")
 
 
+def test_a_value_a_constructor_refuses_ends_in_our_message_naming_the_option(capsys, monkeypatch):
+    # the command: the project's message is the last (and only) line, and it names the option that gave it
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fit", "--config", "examples/gpt/config.yaml", "--trainer.strategy.init_args.zero_stage", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert err[-1] == (
+        "lightning-npu fit: error: examples/gpt/config.yaml, line 13: trainer.strategy (with "
+        "--trainer.strategy.init_args.zero_stage from the command line): `zero_stage=5` is not a ZeRO stage; use 0 "
+        "(replicate), 1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters).")
+
+
 def test_plan_without_arguments_lists_everything_missing_and_an_example(capsys):
     with pytest.raises(SystemExit) as exit_:
         plan_main([])

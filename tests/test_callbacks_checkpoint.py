@@ -9,8 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_npu.callbacks import CheckpointCorruptedError, DynamicCheckpoint
-from lightning_npu.callbacks import _store
+from lightning_npu.callbacks import CheckpointCorruptedError, DynamicCheckpoint, _store
 from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,9 +47,9 @@ def test_bad_arguments_name_argument_and_value(kwargs, needle):
         DynamicCheckpoint(**kwargs)
 
 
-def _fit(tmp_path, max_steps, cb, **module_kw):
+def _fit(tmp_path, max_steps, cb, trainer_kw=None, **module_kw):
     model = StepSeeded(**module_kw)
-    trainer = L.Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps))
+    trainer = L.Trainer(callbacks=[cb], **trainer_kwargs(tmp_path, max_steps, **(trainer_kw or {})))
     trainer.fit(model)
     return model, trainer
 
@@ -73,18 +72,42 @@ def test_saves_on_schedule_rotates_and_resumes_latest(tmp_path):
     torch.testing.assert_close(saved, final, rtol=0, atol=0)
 
 
-def test_resume_from_latest_equals_uninterrupted(tmp_path):
+def test_resume_from_last_equals_uninterrupted(tmp_path):
+    """Lightning's `ckpt_path="last"` resumes from DynamicCheckpoint's newest complete checkpoint, and the
+    callback answers ModelCheckpoint's questions (`trainer.checkpoint_callback.best_model_path`, ...)."""
     ref, _ = _fit(tmp_path / "ref", 8, DynamicCheckpoint(dirpath=str(tmp_path / "ref_ck"), phase_fractions=(), intervals=(4,)))
-    first, _ = _fit(tmp_path / "a", 5, DynamicCheckpoint(dirpath=str(tmp_path / "ck"), phase_fractions=(), intervals=(4,),
-                                                        save_on_train_end=False))
+    first_cb = DynamicCheckpoint(dirpath=str(tmp_path / "ck"), phase_fractions=(), intervals=(4,),
+                                 save_on_train_end=False)
+    first, trainer = _fit(tmp_path / "a", 5, first_cb)
     latest = DynamicCheckpoint.find_latest(tmp_path / "ck")
-    assert latest.endswith("step=00000004.ckpt")
+    assert latest == str(tmp_path / "ck" / "step=00000004.ckpt")
+    assert trainer.checkpoint_callback is first_cb and trainer.checkpoint_callbacks == [first_cb]
+    assert first_cb.best_model_path == first_cb.last_model_path == latest and first_cb.filename == "{step:08d}"
+    # an unmarked (never committed) newer "last.ckpt" is not what "last" picks
+    (tmp_path / "ck" / "last.ckpt").write_bytes(b"not a checkpoint")
     model = StepSeeded()
-    trainer = L.Trainer(callbacks=[DynamicCheckpoint(dirpath=str(tmp_path / "ck"), phase_fractions=(), intervals=(4,))],
-                        **trainer_kwargs(tmp_path / "b", 8))
-    trainer.fit(model, ckpt_path=latest)
+    cb = DynamicCheckpoint(dirpath=str(tmp_path / "ck"), phase_fractions=(), intervals=(4,))
+    trainer = L.Trainer(callbacks=[cb], **trainer_kwargs(tmp_path / "b", 8))
+    trainer.fit(model, ckpt_path="last")
+    assert trainer.ckpt_path == latest
     torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=0, atol=0)
     assert model.losses == {s: ref.losses[s] for s in range(4, 8)}
+    assert cb.best_model_path == cb.last_model_path == str(tmp_path / "ck" / "step=00000008.ckpt")
+    assert trainer.checkpoint_callback.best_model_path == cb.best_model_path  # the idiom the docs use
+
+
+def test_filename_template_and_no_epoch_end_saves(tmp_path):
+    # ModelCheckpoint's template meaning; saving follows the step schedule only (no save at each epoch's end)
+    d = tmp_path / "ck"
+    cb = DynamicCheckpoint(dirpath=str(d), filename="{epoch}-{step}", phase_fractions=(), intervals=(3,),
+                           keep_last_k=None)
+    _fit(tmp_path, 7, cb, trainer_kw=dict(limit_train_batches=4))
+    names = sorted(p.name for p in d.glob("*.ckpt"))
+    # train end: Lightning counts the epoch that max_steps cut short as finished (trainer.current_epoch)
+    assert names == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "epoch=2-step=7.ckpt"], names
+    assert DynamicCheckpoint.find_latest(d) == cb.last_model_path == str(d / "epoch=2-step=7.ckpt")
+    with pytest.raises(ValueError, match="filename='ck/x'.*dirpath="):
+        DynamicCheckpoint(filename="ck/x")
 
 
 def test_truncated_checkpoint_is_named_and_skipped(tmp_path):

@@ -83,6 +83,28 @@ def test_strategy_help_describes_every_argument(name, capsys):
     assert "ARCHITECTURE" not in NPUHybridStrategy.__doc__
 
 
+def test_version(capsys):
+    import lightning
+    import torch
+
+    import lightning_npu
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"lightning-npu {lightning_npu.__version__} (lightning {lightning.__version__}, torch {torch.__version__})")
+
+
+def test_fit_help_documents_ckpt_path_latest(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fit", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert exit_.value.code == 0
+    assert '--ckpt_path CKPT_PATH "latest" (lightning-npu): the newest complete checkpoint' in flat
+    assert '"last" (Lightning): the newest of DynamicCheckpoint\'s checkpoints' in flat
+
+
 def _commit_dynamic(dirpath, step):
     from lightning_npu.callbacks import _store
 
@@ -163,9 +185,9 @@ def test_ckpt_path_latest_starts_fresh_then_resumes(tmp_path):
     assert "Resume this run with:\n  lightning-npu fit --config examples/gpt/config.yaml" in out
     assert out.count("--ckpt_path latest\n") == 1  # the old --ckpt_path is replaced, not repeated
 
-    rc, out = _run(base + ["--trainer.max_steps", "5"], tmp_path)
+    # Lightning's own keyword resumes too (DynamicCheckpoint is a ModelCheckpoint to `ckpt_path="last"`)
+    rc, out = _run([a if a != "latest" else "last" for a in base] + ["--trainer.max_steps", "5"], tmp_path)
     assert rc == 0, out[-4000:]
-    assert f"--ckpt_path latest: resuming from {first}" in out
     assert f"Restoring states from the checkpoint path at {first}" in out
     assert "`Trainer.fit` stopped: `max_steps=5` reached." in out
     assert (tmp_path / "checkpoints" / "step=00000005.ckpt").is_dir()
@@ -175,5 +197,6 @@ def test_ckpt_path_latest_starts_fresh_then_resumes(tmp_path):
     flag = tmp_path / "payload-ran"
     shard, key = plant_in_shard(tmp_path / "checkpoints" / "step=00000005.ckpt", Payload(str(flag)))
     rc, out = _run(base + ["--trainer.max_steps", "7"], tmp_path)
+    assert f"--ckpt_path latest: resuming from {shard.parent}" in out, out[-4000:]
     assert rc != 0 and f"Refused to load '{shard}' (its entry '{key}')" in out, out[-4000:]
     assert not flag.exists()

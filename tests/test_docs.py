@@ -1,11 +1,12 @@
 """Every code snippet in README.md and docs/*.md runs, as a user would run it.
 
 A block is marked ``<!-- runnable -->`` on the line before its fence (the README's two setup commands are run
-by CI itself and are the only exception). Python blocks run as ``python snippet.py`` in a fresh folder with the
-repository importable, each in a fresh process (``devices=N`` ones as N ranks with torchrun's environment; see
-`tests/_docs_runner.py`). Bash blocks
-run in one folder, in document order (a later block may use what an earlier one wrote), with ``lightning-npu
-fit --config ...`` shortened to a few tiny single-process steps.
+by CI itself and are the only exception). Every block runs in its own fresh folder, so none sees what another
+wrote. Python blocks run as ``python snippet.py`` with the repository importable, each in a fresh process
+(``devices=N`` ones as N ranks with torchrun's environment; see `tests/_docs_runner.py`). Bash blocks run with
+``examples/`` at hand and ``lightning-npu fit --config ...`` shortened to a few tiny single-process steps.
+Nothing is left in the repository, and whatever a block writes is covered by ``.gitignore``, so that a user who
+runs the snippets in the repository's root sees a clean ``git status``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,27 @@ def test_every_snippet_is_runnable_and_every_page_is_linked():
         assert (ROOT / "docs" / name).is_file() or (ROOT / target).is_file(), target
 
 
+def _git_status() -> list[str]:
+    """The repository's untracked files (not ignored): what a snippet run in it would leave."""
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    return [line for line in out.splitlines() if line.startswith("??")]
+
+
+def _assert_ignored(folders, harness):
+    """What the snippets wrote, as names in the repository's root: each must be git-ignored."""
+    written = sorted({p.name + ("/" if p.is_dir() else "") for folder in folders for p in Path(folder).iterdir()
+                      if p.name not in harness})
+    if not written:
+        return
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-v", "-n"], cwd=ROOT, text=True,
+                          input="\n".join(written) + "\n", capture_output=True)
+    shown = [line.split("\t")[-1] for line in proc.stdout.splitlines() if line.startswith("::")]
+    assert not shown, f"snippets write {shown}, which .gitignore does not cover"
+
+
 def test_python_snippets_run(tmp_path):
+    before = _git_status()
     # one interpreter imports Lightning once and forks a fresh process (N ranks for devices=N) per snippet
     snippets = []
     for i, param in enumerate(_runnable("python")):
@@ -81,10 +102,11 @@ def test_python_snippets_run(tmp_path):
     assert [r["id"] for r in results] == [s["id"] for s in snippets], proc.stderr[-4000:]
     failed = [f"--- {r['id']}\n{r['output']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
+    assert _git_status() == before, "the snippets left files in the repository"
+    _assert_ignored([s["cwd"] for s in snippets], harness={"snippet.py", "snippet.log"})
 
 
-def test_bash_snippets_run_in_order(tmp_path):
-    (tmp_path / "examples").symlink_to(ROOT / "examples")
+def test_bash_snippets_run(tmp_path):
     (tmp_path / "bin").mkdir()
     wrapper = tmp_path / "bin" / "lightning-npu"
     wrapper.write_text(
@@ -93,17 +115,22 @@ def test_bash_snippets_run_in_order(tmp_path):
         f'exec "{sys.executable}" -m lightning_npu.cli "$@"\n'
     )
     wrapper.chmod(0o755)
-    outputs = []
-    for param in _runnable("bash"):
-        code = param.values[0]
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_env(tmp_path),
+    before = _git_status()
+    outputs, folders = [], []
+    for i, param in enumerate(_runnable("bash")):
+        cwd = tmp_path / f"snippet{i}"
+        cwd.mkdir()
+        (cwd / "examples").symlink_to(ROOT / "examples")
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", param.values[0]], cwd=cwd, env=_env(tmp_path),
                               capture_output=True, text=True, timeout=300)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, (param.id, out[-4000:])
-        outputs.append(out)
+        outputs.append(out.replace(str(cwd) + "/", ""))
+        folders.append(cwd)
     everything = "\n".join(outputs)
     # what the documented commands promise: a resume from the newest checkpoint, a converted file, the help text
-    assert "--ckpt_path latest: resuming from checkpoints/step=00000002.ckpt" in everything.replace(
-        str(tmp_path) + "/", "").replace("runs/gpt/", "")
-    assert (tmp_path / "gpt.safetensors").is_file() and "wrote " in everything
+    assert "--ckpt_path latest: resuming from runs/gpt/checkpoints/step=00000002.ckpt" in everything
+    assert (folders[0] / "gpt.safetensors").is_file() and "wrote " in everything
     assert "--trainer.strategy.tensor_parallel_size" in everything
+    assert _git_status() == before, "the snippets left files in the repository"
+    _assert_ignored(folders, harness={"examples"})

@@ -1,5 +1,6 @@
 """Registration, device layer, accelerator errors and configuration validation (one process)."""
 
+import logging
 from datetime import timedelta
 
 import lightning as L
@@ -38,6 +39,16 @@ def test_npu_accelerator_without_torch_npu_says_what_to_install():
     with pytest.raises(device.NPUUnavailableError, match="torch_npu"):
         device.comm_backend("npu")
     assert not NPUAccelerator.is_available() and NPUAccelerator.auto_device_count() == 0
+
+
+def test_npu_availability_is_logged_beside_lightnings_device_lines(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="npu_hybrid", logger=False)
+    lines = [r.getMessage() for r in caplog.records]
+    first = next(i for i, line in enumerate(lines) if line.startswith("NPU available:"))
+    assert lines[first] == f"NPU available: {NPUAccelerator.is_available()} (torch_npu), used: False"
+    assert lines[first + 1].startswith("GPU available:") and lines[first + 2].startswith("TPU available:")
+    assert sum(line.startswith("NPU available:") for line in lines) == 1
 
 
 def test_mixed_precision_autocasts_on_the_accelerator_device():

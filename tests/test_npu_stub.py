@@ -200,6 +200,11 @@ def test_device_layer_with_privateuse1_renamed_to_npu():
            "PYTHONPATH": os.pathsep.join([str(STUBS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "device layer ok" in out.stdout, out.stderr[-3000:]
+    lines = (out.stdout + out.stderr).splitlines()
+    npu_line = [i for i, line in enumerate(lines) if "NPU available:" in line]
+    assert len(npu_line) == 1 and lines[npu_line[0]].endswith("NPU available: True (torch_npu), used: True"), lines
+    # said when the accelerator is built, a line or two (the precision plugin's) before Lightning's own
+    assert any("GPU available:" in line for line in lines[npu_line[0] + 1: npu_line[0] + 4]), lines
 
 
 def test_torch_npu_import_errors_carry_the_install_hint(monkeypatch):

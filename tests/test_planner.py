@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from lightning_npu.planner import (
-    ClusterSpec, Layout, ModelSpec, PlannerError, memory_by_stage, model_state_bytes, plan, round_gb, step_time,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    PlannerError,
+    memory_by_stage,
+    model_state_bytes,
+    plan,
+    round_gb,
+    step_time,
 )
 from lightning_npu.planner.cli import main as plan_main
 
@@ -133,6 +141,40 @@ def test_plan_llama_config_json_and_strategy_block(capsys, monkeypatch):
     assert speeds == sorted(speeds, reverse=True)
     block = out["strategy_block"]
     assert "class_path: lightning_npu.NPUHybridStrategy" in block and "  strategy:" in block
+
+
+def test_plan_reads_a_transformers_config_json_and_counts_its_parameters_exactly(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    configs = [
+        (transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128),
+         transformers.LlamaForCausalLM, "swiglu"),
+        (transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128),
+         transformers.GPT2LMHeadModel, "gelu"),
+    ]
+    for config, cls, mlp in configs:
+        config.to_json_file(tmp_path / "config.json")  # what save_pretrained writes
+        assert plan_main(["--model", str(tmp_path / "config.json"), "--global-batch", "8", "--devices", "2",
+                          "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["model"]["params"] == cls(config).num_parameters(), cls.__name__
+        assert out["model"]["mlp"] == mlp and out["model"]["seq"] == 128  # max_position_embeddings by default
+        assert not any(r["layout"]["sequence_parallel"] for r in out["layouts"])
+    # the batch is the run's, not the model's: asked for by name
+    with pytest.raises(SystemExit):
+        plan_main(["--model", str(tmp_path / "config.json"), "--devices", "2"])
+    err = capsys.readouterr().err
+    assert "a transformers config.json does not give global_batch" in err and "pass --global-batch N" in err, err
+
+
+def test_plan_text_uses_readable_counts_and_one_memory_unit(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert plan_main(["--model", "examples/llama/config.yaml", "--devices", "2", "--top", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model: 125 K parameters (2 layers"), lines[0]
+    assert lines[1].endswith("(memory per device of the stage that needs the most, in MB: 10^6 bytes):"), lines[1]
+    assert "weights MB" in lines[2] and "total MB" in lines[2] and "GB" not in lines[1] + lines[2]
+    assert "MB per device" in next(line for line in lines if line.startswith("# lightning-npu plan:"))
 
 
 def test_strategy_block_builds_the_strategy(capsys):

@@ -6,6 +6,10 @@ save time where a restart would otherwise cost the most. Saves go through `train
 and are committed once, atomically, by `lightning_npu.parallel.checkpoint.commit` (see `_saver`), so sharded
 strategy checkpoints are committed the same way. Each marker carries the run's id: a new run in a
 reused directory prunes only its own checkpoints, and a resumed run adopts the id it resumes.
+
+It is a `ModelCheckpoint` (with every saving hook of its own), because Lightning asks only ModelCheckpoints
+where ``ckpt_path="last"`` is: so ``fit(ckpt_path="last")`` resumes from the newest complete checkpoint, and
+``trainer.checkpoint_callback.best_model_path`` / ``last_model_path`` / ``filename`` mean what they mean there.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
+from weakref import proxy
 
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_npu.callbacks import _store
@@ -28,6 +35,7 @@ from lightning_npu.validate import check_bool, check_int, check_numbers, check_p
 
 log = logging.getLogger(__name__)
 _OWNER = "DynamicCheckpoint"
+DEFAULT_FILENAME = "{step:08d}"  # ModelCheckpoint inserts the metric's name: step=00000500.ckpt
 
 
 def _validate_schedule(phase_fractions: Sequence[float], intervals: Sequence[int]) -> None:
@@ -46,8 +54,12 @@ def _validate_schedule(phase_fractions: Sequence[float], intervals: Sequence[int
         raise ValueError(f"DynamicCheckpoint(intervals={list(intervals)!r}): intervals must be positive integers (steps).")
 
 
-class DynamicCheckpoint(Checkpoint):
-    """Phase-dependent, atomic, rotating checkpoints; resume with ``ckpt_path=DynamicCheckpoint.find_latest(dir)``.
+class DynamicCheckpoint(ModelCheckpoint):
+    """Phase-dependent, atomic, rotating checkpoints; resume with ``fit(ckpt_path="last")`` (``--ckpt_path last``).
+
+    Lightning's ``ckpt_path="last"`` resolves to the newest complete, verified checkpoint of `dirpath`
+    (``DynamicCheckpoint.find_latest(dirpath)``; no ``last.ckpt`` file is needed). As with a ``ModelCheckpoint``
+    without ``monitor``, ``best_model_path`` and ``last_model_path`` are the newest checkpoint saved.
 
     Args:
         dirpath: where checkpoints go; default ``<default_root_dir>/checkpoints``. Created at setup, where a
@@ -62,6 +74,8 @@ class DynamicCheckpoint(Checkpoint):
         checksum: record a CRC32 of every file (besides its size), verified by discovery and by every load.
             npu_hybrid computes the shards' CRC32s while writing them; other strategies' files are read once more
             at the commit. ``LIGHTNING_NPU_CHECKSUM=0`` turns CRC32s off everywhere (sizes stay).
+        filename: ModelCheckpoint's name template (without ``.ckpt``), default ``"{step:08d}"``, which names
+            ``step=00000500.ckpt``; the metrics it may name are ``step`` and ``epoch``.
     """
 
     def __init__(
@@ -73,6 +87,7 @@ class DynamicCheckpoint(Checkpoint):
         keep_last_k: Optional[int] = 3,
         async_save: bool = False,
         checksum: bool = True,
+        filename: Optional[str] = None,
     ) -> None:
         o = _OWNER
         phase_fractions = check_numbers("phase_fractions", phase_fractions, example="(0.1, 0.8)", owner=o)
@@ -83,6 +98,10 @@ class DynamicCheckpoint(Checkpoint):
         for flag, value in (("save_on_train_end", save_on_train_end), ("async_save", async_save),
                             ("checksum", checksum)):
             check_bool(flag, value, owner=o)
+        if filename is not None and (not isinstance(filename, str) or not filename or "/" in filename):
+            raise ValueError(f"DynamicCheckpoint(filename={filename!r}): give a name template without a folder, "
+                             "e.g. filename='{epoch}-{step}' (the folder is dirpath=...).")
+        super().__init__(dirpath=None, filename=filename or DEFAULT_FILENAME, save_top_k=1)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.phase_fractions = tuple(float(f) for f in phase_fractions)
         self.intervals = tuple(intervals)
@@ -130,6 +149,37 @@ class DynamicCheckpoint(Checkpoint):
     def latest(self) -> Optional[str]:
         return self.find_latest(self.dirpath) if self.dirpath is not None else None
 
+    # ---- Lightning's ModelCheckpoint conventions ---------------------------------------------
+    @property
+    def state_key(self) -> str:
+        # not ModelCheckpoint's (made of monitor, mode...): the callback state of earlier checkpoints still loads
+        return self.__class__.__qualname__
+
+    def _resolved_dir(self, trainer: Any) -> Path:
+        # the default that setup resolves; `ckpt_path="last"` is parsed before setup runs
+        return self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "checkpoints"
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """What Lightning's ``ckpt_path="last"`` picks from (the newest by modification time): our newest
+        complete, verified checkpoint, which is never a half-written one."""
+        found = self.find_latest(self._resolved_dir(trainer))
+        return {found} if found is not None else set()
+
+    def _name(self, trainer: Any) -> str:
+        if self.filename == DEFAULT_FILENAME:
+            return _store.checkpoint_name(trainer.global_step)  # the name PreemptionCheckpoint also writes
+        return Path(self.format_checkpoint_name({"step": trainer.global_step, "epoch": trainer.current_epoch})).name
+
+    def _unmarked_pattern(self) -> "re.Pattern[str]":
+        # checkpoints without a marker are removed only under the default names, never a user's other files
+        return _store.CHECKPOINT_NAME if self.filename == DEFAULT_FILENAME else re.compile(r"(?!)")
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        pass  # saving follows the step schedule only (ModelCheckpoint would save every epoch)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
     # ---- hooks --------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
@@ -140,10 +190,11 @@ class DynamicCheckpoint(Checkpoint):
                                                             refused))
         raise_refused(refused)
         self.dirpath = Path(dirpath)
+        self._fs = get_filesystem(str(self.dirpath))
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             # left by crashed saves and prunes (temporaries, aside copies, unmarked checkpoints); live ones are kept
-            stale = _store.clean_leftovers(self.dirpath, _store.CHECKPOINT_NAME)
+            stale = _store.clean_leftovers(self.dirpath, self._unmarked_pattern())
             if stale:
                 log.warning("DynamicCheckpoint: removed %d leftover(s) of interrupted saves or prunes in %s: %s",
                             len(stale), self.dirpath, ", ".join(p.name for p in stale))
@@ -170,12 +221,17 @@ class DynamicCheckpoint(Checkpoint):
         """Save now, on every rank (collective). Returns the final path (committed later if async)."""
         assert self.dirpath is not None, "DynamicCheckpoint.save() runs after setup (inside Trainer.fit)."
         step = trainer.global_step
-        final = self.dirpath / _store.checkpoint_name(step)
+        final = self.dirpath / self._name(trainer)
         meta = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size,
                 "run": self.run_id}
         self._saver.save(trainer, final, meta)
-        self._last_saved_step = step
+        self._last_saved_step = self._last_global_step_saved = step
         self.last_checkpoint = final
+        # ModelCheckpoint without a monitor: the best model is the newest one (committed already unless async)
+        self.best_model_path = self.last_model_path = self._last_checkpoint_saved = str(final)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
         if self._saver.poll(trainer) or not self._saver.has_pending:
             self._prune(trainer)
         return final
@@ -195,9 +251,12 @@ class DynamicCheckpoint(Checkpoint):
 
     def state_dict(self) -> dict[str, Any]:
         return {"dirpath": str(self.dirpath) if self.dirpath else None, "last_saved_step": self._last_saved_step,
-                "run_id": self.run_id}
+                "run_id": self.run_id, "best_model_path": self.best_model_path, "last_model_path": self.last_model_path}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved_step = int(state_dict.get("last_saved_step", -1))
         if isinstance(state_dict.get("run_id"), str):
             self.run_id = state_dict["run_id"]  # a resumed run continues (and prunes) the run it resumes
+        for key in ("best_model_path", "last_model_path"):
+            if isinstance(state_dict.get(key), str):
+                setattr(self, key, state_dict[key])

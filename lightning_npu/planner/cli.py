@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model (a LightningCLI config, or the sizes; sizes given override the config)")
     m.add_argument("--model", help="LightningCLI YAML whose model block gives the sizes, "
-                   "e.g. examples/llama/config.yaml")
+                   "e.g. examples/llama/config.yaml, or a transformers config.json (save_pretrained's)")
     for flag, help_text in [("--layers", "transformer blocks"), ("--hidden", "hidden size"),
                             ("--heads", "attention heads"), ("--kv-heads", "key/value heads (GQA; default: heads)"),
                             ("--ffn", "MLP width (default 4 x hidden)"), ("--vocab", "vocabulary size"),
@@ -141,9 +141,10 @@ def strategy_block(result: Plan, best: Estimate) -> str:
     """The LightningCLI ``trainer:`` lines (with the ``strategy:`` block) that run the best layout."""
     cl = result.cluster
     nodes = max(1, cl.devices // cl.devices_per_node)
+    unit, scale = memory_unit(best.memory.total)
     lines = [
         f"# lightning-npu plan: {best.layout.describe()}; estimated {best.tokens_per_s:,.0f} tokens/s, "
-        f"{best.memory.total / GB:.1f} GB per device",
+        f"{best.memory.total / GB * scale:.3g} {unit} per device",
         "trainer:",
         f"  num_nodes: {nodes}",
         f"  devices: {min(cl.devices, cl.devices_per_node)}",
@@ -166,9 +167,9 @@ def strategy_block(result: Plan, best: Estimate) -> str:
 
 def _table(result: Plan, top: int) -> str:
     shown = result.ranked[:top]
-    unit, scale = ("GB", 1.0) if max(e.memory.total for e in shown) >= GB else ("MB", 1e3)
-    head = ["#", "tp", "pp", "dp", "zero", "M x b", "sp", "recompute", "weights", "grads", "optim", "activ", "buffers",
-            f"total {unit}", "step s", "tokens/s", "TFLOP/s/dev"]
+    unit, scale = memory_unit(max(e.memory.total for e in shown))
+    head = ["#", "tp", "pp", "dp", "zero", "M x b", "sp", "recompute", *(f"{k} {unit}" for k in (
+            "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "TFLOP/s/dev"]
     rows = []
     for i, e in enumerate(shown, 1):
         lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
@@ -181,6 +182,19 @@ def _table(result: Plan, top: int) -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([fmt(head), *(fmt(r) for r in rows)])
+
+
+def human_count(n: float) -> str:
+    """125 K, 875 K, 1.1 B: a parameter count as Lightning's model summary writes it."""
+    for exponent, unit in ((12, "T"), (9, "B"), (6, "M"), (3, "K")):
+        if n >= 10 ** exponent:
+            return f"{n / 10 ** exponent:.3g} {unit}"
+    return f"{n:.0f}"
+
+
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """The unit (GB or MB, 10^9 or 10^6 bytes) the table and its titles use, and the factor from GB."""
+    return ("GB", 1.0) if nbytes >= GB else ("MB", 1e3)
 
 
 def _rejections(result: Plan) -> list[str]:
@@ -209,7 +223,7 @@ def run(opts: argparse.Namespace) -> int:
             "strategy_block": strategy_block(result, result.best) if result.best else None,
         }, indent=2))
         return 0 if result.best else 1
-    print(f"model: {model.num_params() / 1e9:.3g}B parameters ({model.layers} layers, hidden {model.hidden}, "
+    print(f"model: {human_count(model.num_params())} parameters ({model.layers} layers, hidden {model.hidden}, "
           f"{model.heads} heads, seq {model.seq}, global batch {model.global_batch}); {cluster.devices} devices "
           f"({cluster.devices_per_node} per node, {cluster.device_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s at "
           f"{cluster.gemm_efficiency:.0%}); {result.precision}, {result.optimizer}")
@@ -217,8 +231,10 @@ def run(opts: argparse.Namespace) -> int:
         print(f"no layout fits: all {result.considered} were rejected:", *_rejections(result), sep="\n")
         print("fix: more devices or device memory, a smaller global batch or sequence, or a smaller model.")
         return 1
+    unit, _ = memory_unit(max(e.memory.total for e in result.ranked[: opts.top]))
     print(f"{len(result.ranked)} of {result.considered} layouts fit; the best {min(opts.top, len(result.ranked))} "
-          "by estimated tokens/s (memory per device of the stage that needs the most; GB = 10^9 bytes):")
+          f"by estimated tokens/s (memory per device of the stage that needs the most, in {unit}: "
+          f"10^{9 if unit == 'GB' else 6} bytes):")
     print(_table(result, opts.top))
     if result.rejected:
         print("rejected:", *_rejections(result), sep="\n")

@@ -219,18 +219,60 @@ _EXAMPLE_DEFAULTS = {
 }
 
 
+# `transformers` model types with a gated (SwiGLU) MLP, RMSNorm and rotary positions (Llama's family)
+_HF_GATED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2")
+_HF_LEARNED_POSITIONS = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
+
+
+def _is_hf_config(config: dict) -> bool:
+    return "model" not in config and ("model_type" in config or "architectures" in config)
+
+
+def _from_hf_config(path: Path, config: dict, overrides: dict[str, Any]) -> ModelSpec:
+    """A `ModelSpec` from a `transformers` ``config.json`` (``save_pretrained``'s, or the Hub's): its sizes, and
+    the MLP, norm, positions and tying its model type implies; seq defaults to ``max_position_embeddings``."""
+    found: dict[str, Any] = {}
+    for fld, names in {**_KEYS, "seq": ("max_position_embeddings", "n_positions", "seq_length")}.items():
+        name = next((n for n in names if config.get(n) is not None), None)
+        if name is not None:
+            found[fld] = config[name]
+    kind = str(config.get("model_type", ""))
+    gated = kind in _HF_GATED or config.get("hidden_act") in ("silu", "swish")
+    attention = config.get("_attn_implementation") or config.get("attn_implementation") or "sdpa"
+    found.update(
+        mlp="swiglu" if gated else "gelu", norm="rmsnorm" if "rms_norm_eps" in config else "layernorm",
+        bias=bool(config.get("attention_bias", kind in _HF_LEARNED_POSITIONS)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),  # transformers' default
+        learned_positions=kind in _HF_LEARNED_POSITIONS, attention="eager" if attention == "eager" else "flash",
+        sequence_parallel_ok=False)
+    found.update({k: v for k, v in overrides.items() if v is not None})
+    missing = [f for f in ("layers", "hidden", "heads", "vocab", "seq", "global_batch") if f not in found]
+    if missing:
+        flags = " ".join(f"--{f.replace('_', '-')} N" for f in missing)
+        raise PlannerError(f"{path}: a transformers config.json does not give {', '.join(missing)} (the sequences "
+                           f"per optimizer step are the training run's); pass {flags}.")
+    try:
+        return ModelSpec(**found)
+    except TypeError as err:
+        raise PlannerError(f"{path}: {err}") from None
+
+
 def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
     """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
-    ``batch_size`` x devices give seq and global batch unless `overrides` set them)."""
+    ``batch_size`` x devices give seq and global batch unless `overrides` set them), or from a `transformers`
+    ``config.json``."""
     path = Path(path)
     if not path.is_file():
         raise PlannerError(
-            f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml."
+            f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml, or a "
+            "transformers config.json."
         )
     try:
         config = read_config(path)
     except ConfigFileError as err:
         raise PlannerError(f"--model {err}") from None
+    if _is_hf_config(config):
+        return _from_hf_config(path, config, overrides)
     model = config.get("model") or {}
     if not isinstance(model, dict):
         raise PlannerError(f"{path}: `model:` must be a mapping with class_path and init_args.")
