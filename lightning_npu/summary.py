@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.model_summary.model_summary import _tensor_has_shape
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
 
@@ -33,7 +34,8 @@ def global_numel(p: torch.Tensor) -> int:
 
 def parameter_counts(module: torch.nn.Module, pp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     """(total, trainable) parameters of the whole model: every rank of `pp_group` calls this (a collective)."""
-    params = list(module.parameters())
+    # the last stage's copy of a tied embedding is the first stage's parameter (`pipeline_copy`): counted there
+    params = [p for p in module.parameters() if not getattr(tensor_state(p, create=False), "pipeline_copy", False)]
     counts = torch.tensor([sum(global_numel(p) for p in params),
                            sum(global_numel(p) for p in params if p.requires_grad)], dtype=torch.float64)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
