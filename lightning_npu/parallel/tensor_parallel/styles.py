@@ -262,6 +262,34 @@ def _seq_gather(t: torch.Tensor, mesh: DeviceMesh, seq_dim: int) -> torch.Tensor
     return t.redistribute(mesh, [Replicate()]).to_local()
 
 
+def _seq_shard(t: torch.Tensor, mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
+    """This rank's sequence slice of a replicated tensor: no communication forward, all-gather backward."""
+    dt = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+    return dt.redistribute(mesh, [Shard(seq_dim)]).to_local()
+
+
+def _input_hook(fn: Any, mesh: DeviceMesh, seq_dim: int) -> Any:
+    """A forward pre-hook applying `fn` to a module's hidden-state input (first positional or ``hidden_states=``)."""
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            args = (fn(args[0], mesh, seq_dim), *args[1:])
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            kwargs = {**kwargs, "hidden_states": fn(kwargs["hidden_states"], mesh, seq_dim)}
+        return args, kwargs
+    return hook
+
+
+def _output_hook(fn: Any, mesh: DeviceMesh, seq_dim: int) -> Any:
+    """A forward hook applying `fn` to a module's hidden-state output (the tensor, or a tuple's first element)."""
+    def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return fn(output, mesh, seq_dim)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (fn(output[0], mesh, seq_dim), *output[1:])
+        return output
+    return hook
+
+
 class GatherSequence(ParallelStyle):
     """Sequence parallelism: all-gather the sequence-sharded hidden states entering a block (attention or MLP).
 
@@ -275,21 +303,8 @@ class GatherSequence(ParallelStyle):
         self.seq_dim = seq_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args and isinstance(args[0], torch.Tensor):
-                args = (_seq_gather(args[0], device_mesh, self.seq_dim), *args[1:])
-            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                kwargs = {**kwargs, "hidden_states": _seq_gather(kwargs["hidden_states"], device_mesh, self.seq_dim)}
-            return args, kwargs
-
-        module.register_forward_pre_hook(gather, with_kwargs=True)
+        module.register_forward_pre_hook(_input_hook(_seq_gather, device_mesh, self.seq_dim), with_kwargs=True)
         return module
-
-
-def _seq_shard(t: torch.Tensor, mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
-    """This rank's sequence slice of a replicated tensor: no communication forward, all-gather backward."""
-    dt = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-    return dt.redistribute(mesh, [Shard(seq_dim)]).to_local()
 
 
 class SequenceShardedBlocks(ParallelStyle):
@@ -302,24 +317,10 @@ class SequenceShardedBlocks(ParallelStyle):
         self.shard_input, self.gather_output, self.seq_dim = shard_input, gather_output, seq_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def shard(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args and isinstance(args[0], torch.Tensor):
-                args = (_seq_shard(args[0], device_mesh, self.seq_dim), *args[1:])
-            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                kwargs = {**kwargs, "hidden_states": _seq_shard(kwargs["hidden_states"], device_mesh, self.seq_dim)}
-            return args, kwargs
-
-        def gather(mod: nn.Module, args: Any, output: Any) -> Any:
-            if isinstance(output, torch.Tensor):
-                return _seq_gather(output, device_mesh, self.seq_dim)
-            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                return (_seq_gather(output[0], device_mesh, self.seq_dim), *output[1:])
-            return output
-
         if self.shard_input:
-            module.register_forward_pre_hook(shard, with_kwargs=True)
+            module.register_forward_pre_hook(_input_hook(_seq_shard, device_mesh, self.seq_dim), with_kwargs=True)
         if self.gather_output:
-            module.register_forward_hook(gather)
+            module.register_forward_hook(_output_hook(_seq_gather, device_mesh, self.seq_dim))
         return module
 
     def __repr__(self) -> str:
@@ -336,16 +337,8 @@ class FullSequence(ParallelStyle):
         self.seq_dim = seq_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        GatherSequence(self.seq_dim)._apply(module, device_mesh)
-
-        def shard(mod: nn.Module, args: Any, output: Any) -> Any:
-            if isinstance(output, torch.Tensor):
-                return _seq_shard(output, device_mesh, self.seq_dim)
-            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                return (_seq_shard(output[0], device_mesh, self.seq_dim), *output[1:])
-            return output
-
-        module.register_forward_hook(shard)
+        module.register_forward_pre_hook(_input_hook(_seq_gather, device_mesh, self.seq_dim), with_kwargs=True)
+        module.register_forward_hook(_output_hook(_seq_shard, device_mesh, self.seq_dim))
         return module
 
     def __repr__(self) -> str:
