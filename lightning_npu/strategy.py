@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu.accelerator import NPUAccelerator, log_availability
+from lightning_npu.callbacks.progress import use_resumable_progress_bar
 from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
@@ -442,6 +443,7 @@ class NPUHybridStrategy(DDPStrategy):
             self.precision_plugin.layout_backward = self._layout_backward
         super().setup(trainer)
         use_whole_model_summary(trainer)  # the summary counts every stage and shard, not rank 0's
+        use_resumable_progress_bar(trainer)  # a mid-epoch resume's bar counts from the resumed batch
         cfg = self.parallel_config
         module = self.lightning_module
         if cfg.pipeline_parallel_size > 1 and (self._pipeline is None or self._pipeline.module is not module):
