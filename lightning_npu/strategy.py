@@ -569,6 +569,11 @@ class NPUHybridStrategy(DDPStrategy):
         if self._ckpt_writer is not None:
             self._ckpt_writer.finalize(self.broadcast)
 
+    def on_train_end(self) -> None:
+        """A failed async save is raised as fit ends, on every rank alike (not at teardown, where only the rank
+        that knows it could raise). Collective."""
+        self.finalize_checkpoints()
+
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's pruning: the marker goes first (`commit.delete`), so a crash half way leaves an
         unmarked checkpoint, never a trusted broken one."""

@@ -1,9 +1,9 @@
 """Module-level workers for tests/test_checkpoint_faults.py, run in 2 real processes (gloo) by `launch.spawn`.
 
 `campaign` runs every multi-process check in one launch (the start-up and imports are most of a tiny run's cost):
-a fit continued exactly from a checkpoint saved after `fit()` returned (dp=2 sharded directory, tp=2 single
-file), a corrupted shard refused with the same error on both ranks, and a save that fails on one rank raising
-the same `CheckpointSaveError` on both, at once.
+a fit continued exactly from a checkpoint saved after `fit()` returned (dp=2 and pp=2 sharded directories, tp=2
+and ZeRO-3 single files), a corrupted shard refused with the same error on both ranks, and a save that fails on one
+rank raising the same `CheckpointSaveError` on both, at once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import DynamicCheckpoint
 from lightning_npu.parallel.checkpoint import commit
+from tests._callbacks_helpers import StepSeeded, trainer_kwargs
+from tests._faults import disk_full_at
 from tests._gpt_workers import SMALL_GPT
 from tests._sampler_workers import Recorder
 
@@ -144,17 +146,54 @@ def _save_failures(root: Path, rank: int) -> dict[str, Any]:
     return out
 
 
+class _WriteFinished(L.Callback):
+    """At step 3's end, before DynamicCheckpoint's poll (Lightning runs checkpoint callbacks last), wait for this
+    rank's part of the step-2 async write: the failed commit is then known, without a race on the clock."""
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step != 3:
+            return
+        pending = getattr(getattr(trainer.strategy, "_ckpt_writer", None), "_pending", None)
+        if pending is not None:  # npu_hybrid's own async writer
+            pending[1].wait(60)
+        for future in list(getattr(trainer.strategy.checkpoint_io, "_futures", {}).values()):  # DynamicCheckpoint's
+            future.exception(60)
+
+
+def _async_failures(root: Path, rank: int) -> dict[str, Any]:
+    """An async save whose commit fails at rank 0's marker (disk full), with npu_hybrid's writer and with
+    DynamicCheckpoint(async_save=True) under Lightning's ddp: every rank raises the same `CheckpointSaveError` at
+    the first step after the write finished (3), not at the next save or the end of fit (step 8)."""
+    out = {}
+    for name, strategy, own_async in (("hybrid", NPUHybridStrategy(async_save=True), False), ("ddp", "ddp", True)):
+        ck = root / f"async_{name}"
+        # one save, at step 2: intervals 2 until step 2, then 100
+        dyn = DynamicCheckpoint(dirpath=str(ck), phase_fractions=(0.25,), intervals=(2, 100), keep_last_k=None,
+                                save_on_train_end=False, async_save=own_async)
+        trainer = L.Trainer(callbacks=[_WriteFinished(), dyn], strategy=strategy,
+                            **trainer_kwargs(root / f"async_{name}_run", 8, devices=_world()))
+        with disk_full_at(commit, "_write_json_atomic", lambda path, *a: path.name.endswith(".complete"),
+                          active=rank == 0):
+            error = _error(lambda: trainer.fit(StepSeeded()))
+        dist.barrier()
+        out[name] = {"error": error, "step": trainer.global_step, "left": sorted(p.name for p in ck.iterdir())}
+    return out
+
+
 def campaign(root: str) -> dict[str, Any]:
     root = Path(root)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
     out: dict[str, Any] = {}
-    # exact continuation after fit: dp=2 (sharded directory) and tp=2 (one file; both ranks read the same data); the
+    # exact continuation after fit: dp=2, pp=2 (sharded directories), tp=2 and ZeRO-3 (one file); the
     # uninterrupted dp=2 run also saves the checkpoints of steps 2, 4 and 6 (sharded directories) damaged below
     ck = root / "ck"
     saves = DynamicCheckpoint(dirpath=str(ck), phase_fractions=(), intervals=(2,), keep_last_k=None)
     out["after_fit_dp2"] = _after_fit(root, "dp2", {"save_distributed_checkpoint": True}, 6, 3, (saves,))
     out["after_fit_tp2"] = _after_fit(root, "tp2", {"tensor_parallel_size": 2, "save_distributed_checkpoint": False},
                                       5, 2)
+    out["after_fit_pp2"] = _after_fit(root, "pp2", {"pipeline_parallel_size": 2, "micro_batches": 2,
+                                                    "save_distributed_checkpoint": True}, 4, 2)
+    out["after_fit_zero3"] = _after_fit(root, "zero3", {"zero_stage": 3, "save_distributed_checkpoint": False}, 4, 2)
     dist.barrier()
     damaged = _corrupt_copies(ck, root / "damaged") if rank == 0 else None
     damaged = [damaged]
@@ -169,4 +208,5 @@ def campaign(root: str) -> dict[str, Any]:
     out["damaged"] = damaged
     out["saved_markers"] = json.loads((ck / "step=00000006.ckpt.complete").read_text())
     out["save_failures"] = _save_failures(root, rank)
+    out["async_failures"] = _async_failures(root, rank)
     return out

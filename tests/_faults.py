@@ -1,14 +1,16 @@
-"""Fault injection into committed checkpoints, for the trust tests: a pickle payload planted in a DCP shard's
-non-tensor entry (what `torch.distributed.checkpoint`'s default planner would unpickle with
-``weights_only=False``)."""
+"""Fault injection for the trust tests: a pickle payload planted in a DCP shard's non-tensor entry (what
+`torch.distributed.checkpoint`'s default planner would unpickle with ``weights_only=False``), and a disk that is
+full for one step of a save (`disk_full_at`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import pickle
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -53,3 +55,25 @@ def plant_in_shard(ckpt: Path, payload: object, key_contains: str = "param_group
         data["files"] = commit.manifest(ckpt, bool(data.get("checksum")))
         marker.write_text(json.dumps(data))
     return shard, key
+
+
+def disk_full(*args: Any, **kwargs: Any) -> Any:
+    raise OSError(28, "No space left on device (injected)")
+
+
+@contextlib.contextmanager
+def disk_full_at(owner: Any, name: str, when: Callable[..., bool] = lambda *a, **k: True,
+                 active: bool = True) -> Iterator[None]:
+    """`owner.name` (e.g. ``commit._write_json_atomic``, the marker write) fails with a full disk where
+    `when(*args)` holds, while inside the block (only where `active`: e.g. on one rank)."""
+    real = getattr(owner, name)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        return disk_full() if when(*args, **kwargs) else real(*args, **kwargs)
+
+    if active:
+        setattr(owner, name, failing)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)

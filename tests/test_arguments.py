@@ -286,8 +286,10 @@ def test_a_value_a_constructor_refuses_ends_in_our_message_naming_the_option(cap
 def test_plan_without_arguments_lists_everything_missing_and_an_example(capsys):
     with pytest.raises(SystemExit) as exit_:
         plan_main([])
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines  # one line, no argparse usage before it
+    err = lines[0]
+    assert err.startswith("lightning-npu plan: error: give "), err
     for words in ("--model CONFIG.yaml", "--layers --hidden --heads --vocab --seq --global-batch", "--devices N",
                   "For example: lightning-npu plan --model examples/llama/config.yaml --devices 8"):
         assert words in err, err

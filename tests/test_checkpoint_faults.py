@@ -65,7 +65,7 @@ def runs(tmp_path_factory, scripts):
 
 
 # ---- exact continuation after fit ------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["after_fit_dp2", "after_fit_tp2"])
+@pytest.mark.parametrize("layout", ["after_fit_dp2", "after_fit_tp2", "after_fit_pp2", "after_fit_zero3"])
 def test_a_checkpoint_saved_after_fit_continues_the_data_exactly(runs, layout):
     """`trainer.save_checkpoint()` once fit(max_steps=k) returned, resumed by fit(max_steps=n): the same losses and
     samples as n uninterrupted steps (Lightning counts the cut epoch as finished and would start the next one)."""
@@ -74,10 +74,10 @@ def test_a_checkpoint_saved_after_fit_continues_the_data_exactly(runs, layout):
         n = len(run["resumed"])
         assert n and run["resumed"] == run["full"][-n:], (run["resumed"], run["full"])
         assert run["samples_resumed"] == run["samples_full"][-n:]
-    assert runs["ranks"][0][layout]["is_dir"] == (layout == "after_fit_dp2")  # both forms: directory and file
-    dp = [r["after_fit_dp2"]["samples_full"] for r in runs["ranks"]]
-    assert dp[0] != dp[1]  # dp ranks read their own samples; tp ranks the same ones
-    assert runs["ranks"][0]["after_fit_tp2"]["samples_full"] == runs["ranks"][1]["after_fit_tp2"]["samples_full"]
+    assert runs["ranks"][0][layout]["is_dir"] == (layout in ("after_fit_dp2", "after_fit_pp2"))  # both forms
+    samples = [r[layout]["samples_full"] for r in runs["ranks"]]
+    # dp ranks read their own samples; tp and pp ranks the same ones
+    assert (samples[0] != samples[1]) == (layout in ("after_fit_dp2", "after_fit_zero3"))
 
 
 # ---- damaged shards ----------------------------------------------------------------------------------------
@@ -126,6 +126,18 @@ def test_a_save_failing_on_one_rank_fails_on_every_rank_at_once(runs):
         assert "No space left on device" in results[0]["error"]
         assert max(r["seconds"] for r in results) < 30, results
         assert results[0]["left"] == [], results  # rank 0's marker failure puts the previous state back
+
+
+def test_a_failed_async_commit_is_raised_on_every_rank_at_the_next_step(runs):
+    """The step-2 async save's commit fails at rank 0's marker; its write finished by step 3's end: the same
+    CheckpointSaveError on both ranks by then (not at the next save, nor at the end of fit: step 8), nothing left."""
+    for name in ("hybrid", "ddp"):
+        results = [r["async_failures"][name] for r in runs["ranks"]]
+        assert results[0]["error"] == results[1]["error"], results
+        assert results[0]["error"].startswith("CheckpointSaveError") and "No space left on device" in results[0]["error"]
+        assert "step=00000002.ckpt" in results[0]["error"] and "rank 0" in results[0]["error"], results
+        assert results[0]["step"] == results[1]["step"] <= 3, results  # 2: the write was done by the save's poll
+        assert results[0]["left"] == [], results
 
 
 def test_a_failed_save_exits_every_rank_promptly(scripts):

@@ -189,3 +189,29 @@ def test_dynamic_checkpoint_commits_and_resumes_single_files(tmp_path):
     reference = StepSeeded()
     L.Trainer(strategy=NPUHybridStrategy(), **trainer_kwargs(tmp_path / "ref", 6)).fit(reference)
     torch.testing.assert_close(flat_params(resumed), flat_params(reference), rtol=0, atol=0)
+
+
+def test_optimizer_state_converts_between_positions_and_names_one_way():
+    """The one converter (`parallel.checkpoint.optim_state`): torch's position-indexed format <-> the FQN-keyed flat
+    form, and a re-indexing for another set of groups (a pipeline stage's part), on a real AdamW state."""
+    from lightning_npu.parallel.checkpoint.optim_state import by_name, by_position, reindexed, split_state_key
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    names = [n for n, _ in net.named_parameters()]  # 0.weight 0.bias 1.weight 1.bias
+    params = dict(net.named_parameters())
+    opt = torch.optim.AdamW([{"params": [params[n] for n in names[:2]], "lr": 0.1},
+                             {"params": [params[n] for n in names[2:]], "lr": 0.2}])
+    net(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    flat, groups = by_name(sd, names)
+    assert sorted(flat)[0] == "state.0.bias.exp_avg" and split_state_key("state.0.bias.exp_avg") == ("0.bias", "exp_avg")
+    assert groups[1]["params"] == ["1.weight", "1.bias"] and groups[1]["lr"] == 0.2
+    back = by_position(groups, flat)
+    assert back["param_groups"] == sd["param_groups"] and back["state"].keys() == sd["state"].keys()
+    for i, entry in sd["state"].items():
+        assert all(back["state"][i][k] is v for k, v in entry.items())
+    # the second stage's part: its own positions 0, 1 hold the saved positions 2, 3, with the saved hyper-parameters
+    part = reindexed(sd, names, [[], ["1.weight", "1.bias"]])
+    assert part["param_groups"][1]["params"] == [0, 1] and part["param_groups"][1]["lr"] == 0.2
+    assert part["state"][0]["exp_avg"] is sd["state"][2]["exp_avg"] and sorted(part["state"]) == [0, 1]

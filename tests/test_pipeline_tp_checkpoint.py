@@ -3,7 +3,7 @@ tensor-parallel pipeline stages).
 
 * pp=2 x tp=2 (zero 1 at dp=1: plain local tp shards, saved as DTensor views) resumes under the same layout,
   pp=1 x tp=2 and pp=2 x tp=1; the fused q|k|v projections are stored rank-major for tp=2, so the tp=1 resume
-  goes through `load_sharded_relayout` with each stage reading only its own layers.
+  goes through the relayout step of `load_directory` with each stage reading only its own layers.
 * pp=2 x dp=2 x tp=2 (8 processes) with ZeRO 3 and ZeRO 1 (`DistributedOptimizer`, 2-D masters) matches one
   process (ZeRO 2: tests/test_layouts.py); its ZeRO 3 and ZeRO 1 checkpoints resume under smaller layouts.
 

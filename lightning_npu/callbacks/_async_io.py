@@ -40,11 +40,17 @@ class TrackedAsyncCheckpointIO(AsyncCheckpointIO):
         fut = self._futures.get(str(path))
         return fut is None or fut.done()
 
+    def error(self, path: Any) -> Optional[BaseException]:
+        """Block until the write of `path` ends; its error, returned rather than raised, so that the caller can
+        first agree with its peers on it (a rank raising alone leaves them in the next collective)."""
+        fut = self._futures.pop(str(path), None)
+        return fut.exception() if fut is not None else None
+
     def wait(self, path: Any) -> None:
         """Block until the write of `path` ends; re-raises the write's error here."""
-        fut = self._futures.pop(str(path), None)
-        if fut is not None:
-            fut.result()
+        err = self.error(path)
+        if err is not None:
+            raise err
 
     def teardown(self) -> None:
         for path in list(self._futures):

@@ -17,10 +17,19 @@ from typing import Any, Optional
 
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._async_io import TrackedAsyncCheckpointIO
-from lightning_npu.callbacks._dist import agree_flag, broadcast
+from lightning_npu.callbacks._dist import agree_flag, agree_max, broadcast
 from lightning_npu.parallel.checkpoint import commit as _commit
+from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
 
 log = logging.getLogger(__name__)
+
+
+def _agree_on_error(trainer: Any, message: Optional[str]) -> Optional[str]:
+    """The message of the lowest rank that has one, on every rank (None on every rank if none has). Collective."""
+    if trainer.world_size == 1:
+        return message
+    first = int(-agree_max(trainer, [-float(trainer.global_rank if message is not None else trainer.world_size)])[0])
+    return None if first >= trainer.world_size else trainer.strategy.broadcast(message, src=first)
 
 
 class AtomicSaver:
@@ -59,56 +68,74 @@ class AtomicSaver:
         return isinstance(io, TrackedAsyncCheckpointIO)
 
     def _local_done(self, trainer: Any, wait: bool) -> bool:
+        """This rank's writes to temporary paths are finished (`wait`: they will be; the commit then blocks for
+        them, and a path never written is the commit's error). Never raises: errors are agreed on first."""
+        if wait:
+            return True
         io = getattr(trainer.strategy, "checkpoint_io", None)
-        if isinstance(io, TrackedAsyncCheckpointIO):
-            if wait:
-                for tmp, _, _, _ in self._pending:
-                    io.wait(tmp)
-            elif not all(io.done(tmp) for tmp, _, _, _ in self._pending):
-                return False
+        if isinstance(io, TrackedAsyncCheckpointIO) and not all(io.done(tmp) for tmp, _, _, _ in self._pending):
+            return False
         return not trainer.is_global_zero or all(tmp.exists() for tmp, _, _, _ in self._pending)
 
     def _collect_requests(self, trainer: Any, wait: bool) -> list[Path]:
-        if wait and self._requests:
-            finalize = getattr(trainer.strategy, "finalize_checkpoints", None)
-            if callable(finalize):
-                finalize()  # collective; raises a failed write's error
-        # a failed save is raised at a collective point (`wait`: the strategy's finalize agrees on it), never by
-        # the one rank that knows first: its peers would wait for it in the next collective
-        done = [(f, r) for f, r in self._requests if r.done.is_set() and (wait or r.error is None)]
-        finished = {id(r) for _, r in done}
-        self._requests = [(f, r) for f, r in self._requests if id(r) not in finished]
-        for final, request in done:
-            if request.error is not None:
-                raise request.error
+        """Saves the strategy commits itself. A failed one is raised on every rank at the first poll after it
+        failed, not at the next save: while one is in flight, each poll agrees (one small all-reduce) on whether
+        any rank's failed or is still busy; the list stays the same on every rank, so each poll's collectives
+        match."""
+        if not self._requests:
+            return []
+        finalize = getattr(trainer.strategy, "finalize_checkpoints", None)
+        if not wait:
+            failed = any(r.done.is_set() and r.error is not None for _, r in self._requests)
+            busy = any(not r.done.is_set() for _, r in self._requests)
+            if busy or failed or getattr(trainer.strategy, "async_save", False):  # sync saves: done on every rank
+                failed, busy = (v > 0 for v in agree_max(trainer, [float(failed), float(busy)]))
+            if busy and not failed:
+                return []
+        done, self._requests = self._requests, []
+        if callable(finalize):
+            finalize()  # collective: waits for a write in flight; raises rank 0's error (the commit's) on every rank
+        else:  # (no strategy accepting requests lacks it; one that did would raise where the error is)
+            for _, request in done:
+                request.done.wait()
+                if request.error is not None:
+                    raise request.error
         return [final for final, _ in done]
 
     def poll(self, trainer: Any, wait: bool = False) -> list[Path]:
-        """Finished saves (committed on rank 0). Collective for temporary-path saves: call on all ranks."""
+        """Finished saves (committed on rank 0). Collective: call on all ranks. A failed write or commit raises
+        the same `CheckpointSaveError` on every rank, and leaves no temporary behind."""
         committed = self._collect_requests(trainer, wait)
         if not self._pending:
             return committed
         not_done = agree_flag(trainer, not self._local_done(trainer, wait))
         if not_done:
-            if wait:
-                raise RuntimeError(
-                    f"checkpoint write to {self._pending[0][0]} did not produce that path; the strategy's "
-                    "save_checkpoint must write exactly the path it is given."
-                )
             return committed
         io = getattr(trainer.strategy, "checkpoint_io", None)
         pending, self._pending = self._pending, []
+        problem: Optional[str] = None
         try:
             for tmp, final, meta, token in pending:
-                if isinstance(io, TrackedAsyncCheckpointIO):
-                    io.wait(tmp)  # surfaces a failed write
+                err = io.error(tmp) if isinstance(io, TrackedAsyncCheckpointIO) else None
+                try:
+                    if err is None and trainer.is_global_zero:
+                        _commit.commit(tmp, final, token, meta, self.checksum)
+                except Exception as commit_err:  # e.g. disk full at the marker: the previous state is put back
+                    err = commit_err
+                if err is None:
+                    committed.append(final)
+                    continue
                 if trainer.is_global_zero:
-                    _commit.commit(tmp, final, token, meta, self.checksum)
-                committed.append(final)
+                    _commit.remove_path(tmp)
+                problem = problem or (f"Saving the checkpoint {str(final)!r} failed on rank {trainer.global_rank}: "
+                                      f"{err!r}. Nothing was committed; a previous checkpoint at that path is kept.")
         finally:
             for _, _, _, token in pending:
                 _commit.release(token)
-        trainer.strategy.barrier("lightning_npu.checkpoint_commit")
+        # the agreement is also the barrier after rank 0's commits
+        problem = _agree_on_error(trainer, problem)
+        if problem is not None:
+            raise CheckpointSaveError(problem)
         return committed
 
     def abandon(self, trainer: Any) -> Optional[list[Path]]:

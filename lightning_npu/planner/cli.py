@@ -248,8 +248,7 @@ def main(args: Optional[list[str]] = None) -> int:
     try:
         return run(opts)
     except PlannerError as err:
-        parser.error(str(err))  # exits 2 with the usage line
-        return 2
+        parser.exit(2, f"{parser.prog}: error: {err}\n")  # one line naming what to pass (no usage dump)
 
 
 def command(args: list[str]) -> None:

@@ -33,12 +33,8 @@ from lightning_npu.parallel.checkpoint import commit as _commit
 from lightning_npu.parallel.checkpoint import safe_load as ckpt
 from lightning_npu.parallel.checkpoint import sharded
 from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
-from lightning_npu.parallel.checkpoint.full_state import (
-    _indexed,
-    full_state_dict,
-    optimizer_groups,
-    select_optimizer_state,
-)
+from lightning_npu.parallel.checkpoint.full_state import full_state_dict, optimizer_groups, select_optimizer_state
+from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, by_position
 from lightning_npu.parallel.checkpoint.sharded import layout_metadata
 from lightning_npu.parallel.tensor_parallel.shards import full_tensors, unfuse_full_tensors
 
@@ -292,11 +288,11 @@ def _consolidate_optimizers(path: Path, meta: dict[str, Any], groups: list[list[
     for i, opt_groups in enumerate(groups):
         prefix = f"optimizer_{i}."
         template = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()
-                    if k.startswith(prefix + "state.") and isinstance(v, TensorStorageMetadata)}
+                    if k.startswith(prefix + STATE_PREFIX) and isinstance(v, TensorStorageMetadata)}
         if template:
             ckpt.dcp_load(template, path, no_dist=True)
-        state = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()}, fused, "state.")
-        out.append(_indexed(opt_groups, state))
+        state = unfuse_full_tensors({k[len(prefix):]: v for k, v in template.items()}, fused, STATE_PREFIX)
+        out.append(by_position(opt_groups, state))
     return out
 
 

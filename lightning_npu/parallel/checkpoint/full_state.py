@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, by_name, by_position, nested, reindexed
 from lightning_npu.parallel.checkpoint.sharded import optimizer_state_dict
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
@@ -108,26 +109,15 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, An
     groups = optimizer_groups(module, optimizer)
     with masters_as_parameters(module, [optimizer]):  # 16-bit params' fp32 masters are keyed by the params' FQNs
         flat = optimizer_state_dict(module, optimizer)
-        state = tp_shards.full_tensors(module, {k: v for k, v in flat.items() if k.startswith("state.")}, "state.")
+        state = tp_shards.full_tensors(module, {k: v for k, v in flat.items() if k.startswith(STATE_PREFIX)},
+                                       STATE_PREFIX)
     state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     group = gn.pipeline_group(getattr(module, "_device_mesh", None))
     if group is not None:  # each stage holds the state of its own parameters
         parts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, state, group=group)
         state = {k: v for part in parts for k, v in part.items()}
-    return _indexed(groups, state)
-
-
-def _indexed(groups: list[dict[str, Any]], flat_state: dict[str, Any]) -> dict[str, Any]:
-    """FQN-keyed groups and ``state.<fqn>.<name>`` entries -> torch's position-indexed optimizer state dict."""
-    index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g["params"])}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in flat_state.items():
-        fqn, name = key[len("state."):].rsplit(".", 1)
-        if fqn in index:
-            state.setdefault(index[fqn], {})[name] = value
-    return {"state": dict(sorted(state.items())),
-            "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in groups]}
+    return by_position(groups, state)
 
 
 def optimizer_groups(module: nn.Module, optimizer: Any) -> list[dict[str, Any]]:
@@ -161,14 +151,9 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict
         if len(fqns) != sum(len(g["params"]) for g in state_dict["param_groups"]):
             raise ValueError("The checkpoint's optimizer state does not match this optimizer's parameters (count "
                              "differs); resume with the same `configure_optimizers`.")
-        flat = {f"state.{fqns[i]}.{name}": v for i, entry in state_dict["state"].items() for name, v in entry.items()}
-        flat = tp_shards.refuse_fused(flat, tp_shards.fused_layout(module), "state.")
-        state: dict[str, dict[str, Any]] = {}
-        for key, value in flat.items():
-            fqn, name = key[len("state."):].rsplit(".", 1)
-            state.setdefault(fqn, {})[name] = value
-        groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state_dict["param_groups"]]
-        set_optimizer_state_dict(module, optimizer, {"state": state, "param_groups": groups},
+        flat, groups = by_name(state_dict, fqns)
+        flat = tp_shards.refuse_fused(flat, tp_shards.fused_layout(module), STATE_PREFIX)
+        set_optimizer_state_dict(module, optimizer, {"state": nested(flat), "param_groups": groups},
                                  options=StateDictOptions(full_state_dict=True))
 
 
@@ -180,21 +165,13 @@ def select_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict[s
     with masters_as_parameters(module, [optimizer]):
         fqn_of = _param_fqns(module, optimizer)
         own = [[fqn_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    position = {fqn: i for i, fqn in enumerate(f for group in saved_fqns for f in group)}
-    missing = [f for group in own for f in group if f not in position]
+    saved = [f for group in saved_fqns for f in group]
+    known = set(saved)
+    missing = [f for group in own for f in group if f not in known]
     if missing or len(own) != len(state_dict["param_groups"]):
         raise ValueError(
             f"The checkpoint's optimizer state does not match this optimizer ({len(state_dict['param_groups'])} "
             f"saved param groups, {len(own)} here; parameters not in it: {missing[:8]}); resume with the same "
             "model and `configure_optimizers`."
         )
-    state, groups, index = {}, [], 0
-    for fqns, saved in zip(own, state_dict["param_groups"]):
-        params = []
-        for fqn in fqns:
-            if position[fqn] in state_dict["state"]:
-                state[index] = state_dict["state"][position[fqn]]
-            params.append(index)
-            index += 1
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
-    return {"state": state, "param_groups": groups}
+    return reindexed(state_dict, saved, own)

@@ -19,7 +19,8 @@ The tensor keys do not depend on the layout, which is what makes resharding work
   flattened form of `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; under
   ZeRO 1, 2 and 3 every rank contributes its dp slices of each state tensor.
 
-Loading builds the same keys for the *current* layout and lets DCP read the needed slices.
+Loading (:func:`load_directory`, the one loader) builds the same keys for the *current* layout and lets DCP read
+the needed slices; fused projections saved under another tp size are read whole and re-sliced, a step inside it.
 Names and directory layout match Lightning's `ModelParallelStrategy` (``meta.pt``,
 ``state_dict``, ``optimizer_<i>``).
 
@@ -58,7 +59,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,12 +66,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.checkpoint import commit as _commit
 from lightning_npu.parallel.checkpoint.commit import ChecksumStream, CommitRequest, checksums_enabled, temp_path
 from lightning_npu.parallel.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError
+from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, split_state_key
 from lightning_npu.parallel.checkpoint.safe_load import (
     META_FILENAME,
     _PathLike,
@@ -125,8 +127,8 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[
     osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
     params = dict(module.named_parameters(remove_duplicate=False))
     for key, value in osd.items():
-        if key.startswith("state."):
-            osd[key] = _view(value, params.get(key[len("state."):].rsplit(".", 1)[0]))
+        if key.startswith(STATE_PREFIX):
+            osd[key] = _view(value, params.get(split_state_key(key)[0]))
     return osd
 
 
@@ -475,7 +477,7 @@ def check_optimizer_keys(stored: dict[str, Any], expected: dict[str, Any], index
             f"The checkpoint {str(path)!r} holds no state for optimizer {index} (saved with weights_only=True, or "
             "with fewer optimizers); resume from a full checkpoint or load only the weights."
         )
-    missing_state = sorted(k for k in expected if k not in ckpt and k.startswith("state."))
+    missing_state = sorted(k for k in expected if k not in ckpt and k.startswith(STATE_PREFIX))
     if missing_state:
         raise CheckpointMismatchError(
             f"The checkpoint {str(path)!r} does not match optimizer {index} ({len(missing_state)} state entries "
@@ -484,36 +486,6 @@ def check_optimizer_keys(stored: dict[str, Any], expected: dict[str, Any], index
     # hyper-parameters the checkpoint lacks (e.g. `initial_lr` of a newly added scheduler) keep their values
     for k in [k for k in expected if k not in ckpt]:
         del expected[k]
-
-
-def load_sharded(
-    path: _PathLike,
-    module: torch.nn.Module,
-    optimizers: list[Optimizer],
-    strict: bool = True,
-    weights_only: Optional[bool] = True,
-) -> dict[str, Any]:
-    """Collective: restore `module` (and `optimizers`, if any) from a DCP checkpoint saved under any layout.
-
-    Returns the checkpoint's non-tensor part (meta.pt), for Lightning to restore loops, callbacks, schedulers.
-    """
-    path = resolve_checkpoint_path(path)
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
-    meta = read_meta(path)  # first: an unsafe file is refused before any state changes
-    stored = checkpoint_tensor_metadata(path)
-    model_sd = check_model_keys(stored, model_state_dict(module, optimizers), path, strict)
-    tensors: dict[str, Any] = {MODEL_KEY: model_sd}
-    for i, optimizer in enumerate(optimizers):
-        osd = optimizer_state_dict(module, optimizer)
-        check_optimizer_keys(stored, osd, i, path)
-        tensors[f"optimizer_{i}"] = osd
-    templates = {k: dict(v) for k, v in tensors.items()}
-    dcp_load(tensors, path)
-    for i, optimizer in enumerate(optimizers):
-        load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"], templates[f"optimizer_{i}"])
-    load_model_state(module, templates[MODEL_KEY], tensors[MODEL_KEY], optimizers)
-    return meta
 
 
 # ---- consolidation (offline, one process) ------------------------------------------------------
@@ -553,70 +525,43 @@ def fused_layout_changes(meta: dict[str, Any], module: torch.nn.Module) -> bool:
     """Whether the checkpoint stores fused projections (q|k|v, gate|up) in another layout than `module` uses.
 
     Under ZeRO 2/3 x TP the DCP tensors are the parameters' DTensors, whose fused projections are reordered
-    rank-major for the saving tp size (`tp_shards`); any other tp size needs
-    :func:`load_sharded_relayout`."""
+    rank-major for the saving tp size (`tp_shards`); any other tp size needs the relayout step of
+    :func:`load_directory`."""
     saved = (meta.get("lightning_npu") or {}).get("fused") or {}
     current = fused_layout(module)
     return bool(saved or current) and saved != current
 
 
-def load_sharded_relayout(
-    path: _PathLike,
-    module: torch.nn.Module,
-    optimizers: list[Optimizer],
-    strict: bool = True,
-    weights_only: Optional[bool] = True,
-) -> dict[str, Any]:
-    """Collective: :func:`load_sharded` for a checkpoint whose fused projections are laid out for another tp size.
+def _full_like(stored: Any, value: Any) -> Any:
+    """A full-size buffer for the stored tensor that `value` (this rank's shard) is part of."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(stored, TensorStorageMetadata):
+        return torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+    return value
 
-    Every rank reads the full tensors (the model's and its optimizer state's), restores the original layout of
-    the saved fused projections, applies the current one, and keeps its own (dp, tp) shard of each
-    (`distribute_tensor` with ``src_data_rank=None``: local slicing, no communication). Costs a full copy of
-    the state per rank while loading.
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    path = resolve_checkpoint_path(path)
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
-    meta = read_meta(path, weights_only=weights_only)
-    saved_fused = (meta.get("lightning_npu") or {}).get("fused") or {}
-    current_fused = fused_layout(module)
-    stored = checkpoint_tensor_metadata(path)
+def _shard_like(full: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """This rank's (dp, tp) shard of each full tensor, laid out as `like`'s (local slicing, no communication)."""
+    out = {}
+    for k, v in like.items():
+        f = full[k]
+        if isinstance(v, DTensor) and isinstance(f, torch.Tensor) and not isinstance(f, DTensor):
+            f = distribute_tensor(f.to(v.dtype), v.device_mesh, v.placements, src_data_rank=None)
+        elif isinstance(v, torch.Tensor) and isinstance(f, torch.Tensor):
+            f = f.to(device=v.device, dtype=v.dtype)
+        out[k] = f
+    return out
 
-    def full_like(key: str, value: Any) -> Any:
-        meta_ = stored.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(meta_, TensorStorageMetadata):
-            return torch.empty(tuple(meta_.size), dtype=meta_.properties.dtype)
-        return value
 
-    def shard_like(full: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
-        out = {}
-        for k, v in like.items():
-            f = full[k]
-            if isinstance(v, DTensor) and isinstance(f, torch.Tensor) and not isinstance(f, DTensor):
-                f = distribute_tensor(f.to(v.dtype), v.device_mesh, v.placements, src_data_rank=None)
-            elif isinstance(v, torch.Tensor) and isinstance(f, torch.Tensor):
-                f = f.to(device=v.device, dtype=v.dtype)
-            out[k] = f
-        return out
-
-    model_sd = check_model_keys(stored, model_state_dict(module, optimizers), path, strict)
-    templates: dict[str, Any] = {MODEL_KEY: model_sd}
-    tensors: dict[str, Any] = {MODEL_KEY: {k: full_like(f"{MODEL_KEY}.{k}", v) for k, v in model_sd.items()}}
-    for i, optimizer in enumerate(optimizers):
-        osd = optimizer_state_dict(module, optimizer)
-        check_optimizer_keys(stored, osd, i, path)
-        templates[f"optimizer_{i}"] = osd
-        tensors[f"optimizer_{i}"] = {k: full_like(f"optimizer_{i}.{k}", v) for k, v in osd.items()}
-    dcp_load(tensors, path)
-    full_model = refuse_fused(unfuse_full_tensors(tensors[MODEL_KEY], saved_fused), current_fused)
-    for i, optimizer in enumerate(optimizers):
-        osd = tensors[f"optimizer_{i}"]
-        osd = refuse_fused(unfuse_full_tensors(osd, saved_fused, "state."), current_fused, "state.")
-        load_optimizer_state(module, optimizer, shard_like(osd, templates[f"optimizer_{i}"]), templates[f"optimizer_{i}"])
-    load_model_state(module, model_sd, shard_like(full_model, model_sd), optimizers)
-    return meta
+def _relayout(full: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]], saved: dict[str, Any],
+              current: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Full tensors read in the saving tp size's fused layout -> the original layout -> the current one, then each
+    rank's own shards of them."""
+    out = {}
+    for part, tensors in full.items():
+        prefix = "" if part == MODEL_KEY else STATE_PREFIX
+        tensors = refuse_fused(unfuse_full_tensors(tensors, saved, prefix), current, prefix)
+        out[part] = _shard_like(tensors, templates[part])
+    return out
 
 
 # ---- the strategy's checkpoint mechanics (its hooks only route here) ---------------------------------
@@ -657,10 +602,8 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return tensors, meta
 
 
-def check_stage_keys(path: _PathLike, module: torch.nn.Module) -> None:
+def check_stage_keys(stored: dict[str, Any], own: dict[str, Any], path: _PathLike) -> None:
     """Strict loading of one pipeline stage: its keys must all be stored (the other stages' keys are expected)."""
-    stored = checkpoint_tensor_metadata(path)
-    own = model_state_dict(module)
     check_model_keys({k: v for k, v in stored.items() if k.startswith(MODEL_KEY + ".")}, own, path, strict=False)
     missing = [k for k in own if f"{MODEL_KEY}.{k}" not in stored]
     if missing:
@@ -670,18 +613,42 @@ def check_stage_keys(path: _PathLike, module: torch.nn.Module) -> None:
         )
 
 
-def load_directory(path: _PathLike, module: torch.nn.Module, optimizers: list[Optimizer], strict: bool,
-                   pipelined: bool = False) -> dict:
-    """Load a sharded checkpoint saved under any layout into this one; returns Lightning's checkpoint dict.
+def load_directory(path: _PathLike, module: torch.nn.Module, optimizers: list[Optimizer], strict: bool = True,
+                   pipelined: bool = False) -> dict[str, Any]:
+    """Collective, the one DCP loader: restore `module` (and `optimizers`, if any) from a sharded checkpoint saved
+    under any layout; returns the checkpoint's non-tensor part (``meta.pt``), for Lightning to restore loops,
+    callbacks, schedulers.
 
-    `pipelined`: `module` holds one pipeline stage, which restores only its own keys (the other stages' are
-    not "unexpected"; its own missing ones still are, under `strict`).
+    DCP reads each rank's own slices in place. A checkpoint whose fused projections (q|k|v, gate|up) are laid out
+    for another tp size (`fused_layout_changes`) is read as full tensors instead, relaid out, and each rank keeps
+    its own shard (a full copy of the state per rank while loading). `pipelined`: `module` holds one pipeline
+    stage, which restores only its own keys (the other stages' are not "unexpected"; its own missing ones still
+    are, under `strict`).
     """
-    if pipelined:
-        if strict:
-            check_stage_keys(path, module)
-        strict = False
-    load = load_sharded
-    if is_sharded_checkpoint(path) and fused_layout_changes(read_meta(path), module):
-        load = load_sharded_relayout  # fused projections saved under another tp size: full-tensor reload
-    return load(path, module, optimizers, strict=strict)
+    path = resolve_checkpoint_path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{str(path)!r} is not a lightning-npu sharded checkpoint (no {META_FILENAME}).")
+    meta = read_meta(path)  # first: an unsafe file is refused before any state changes
+    stored = checkpoint_tensor_metadata(path)
+    own = model_state_dict(module, optimizers)
+    if pipelined and strict:
+        check_stage_keys(stored, own, path)
+    templates: dict[str, dict[str, Any]] = {MODEL_KEY: check_model_keys(stored, own, path, strict and not pipelined)}
+    for i, optimizer in enumerate(optimizers):
+        osd = optimizer_state_dict(module, optimizer)
+        check_optimizer_keys(stored, osd, i, path)
+        templates[f"optimizer_{i}"] = osd
+    relayout = fused_layout_changes(meta, module)
+    if relayout:
+        tensors = {part: {k: _full_like(stored.get(f"{part}.{k}"), v) for k, v in sd.items()}
+                   for part, sd in templates.items()}
+    else:
+        tensors = {part: dict(sd) for part, sd in templates.items()}
+    dcp_load(tensors, path)
+    if relayout:
+        tensors = _relayout(tensors, templates, (meta.get("lightning_npu") or {}).get("fused") or {},
+                            fused_layout(module))
+    for i, optimizer in enumerate(optimizers):
+        load_optimizer_state(module, optimizer, tensors[f"optimizer_{i}"], templates[f"optimizer_{i}"])
+    load_model_state(module, templates[MODEL_KEY], tensors[MODEL_KEY], optimizers)
+    return meta

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_npu.parallel.checkpoint.optim_state import split_state_key
 from lightning_npu.parallel.state import module_state, tensor_state
 from lightning_npu.parallel.tensor_parallel.styles import _is_fused, _part_major, _rank_major
 
@@ -156,7 +157,7 @@ def _param_of(key: str, params: dict[str, torch.Tensor], prefix: str) -> Optiona
     if prefix:
         if not key.startswith(prefix):
             return None
-        key = key[len(prefix):].rsplit(".", 1)[0]
+        key = split_state_key(key, prefix)[0]
     return params.get(key)
 
 

@@ -1,0 +1,63 @@
+"""Optimizer state by parameter name or by position: the one conversion between the two forms.
+
+Torch's format (``optimizer.state_dict()``, a single-file checkpoint) keys ``state`` by each parameter's position in
+the param groups; the sharded checkpoints, and every re-indexing, use the flat FQN-keyed form
+``state.<fqn>.<name>`` (DCP's flattened optimizer state). Positions depend on the layout (a pipeline stage holds
+only its part of the groups), names do not, so every conversion goes through the names, here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATE_PREFIX = "state."
+
+
+def state_key(fqn: str, name: str) -> str:
+    """The flat key of the state entry `name` (e.g. ``exp_avg``) of the parameter `fqn`."""
+    return f"{STATE_PREFIX}{fqn}.{name}"
+
+
+def split_state_key(key: str, prefix: str = STATE_PREFIX) -> tuple[str, str]:
+    """``<prefix><fqn>.<name>`` -> (fqn, name); `key` starts with `prefix`."""
+    fqn, _, name = key[len(prefix):].rpartition(".")
+    return fqn, name
+
+
+def by_position(groups: list[dict[str, Any]], flat: dict[str, Any]) -> dict[str, Any]:
+    """Groups naming their parameters by FQN (``"params"``) and flat ``state.<fqn>.<name>`` entries -> torch's
+    position-indexed format. Entries of parameters that no group holds are left out."""
+    index = {fqn: i for i, fqn in enumerate(f for g in groups for f in g["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in flat.items():
+        fqn, name = split_state_key(key)
+        if fqn in index:
+            state.setdefault(index[fqn], {})[name] = value
+    return {"state": dict(sorted(state.items())),
+            "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in groups]}
+
+
+def by_name(state_dict: dict[str, Any], fqns: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Inverse of :func:`by_position`: torch's format, whose positions are the parameters `fqns` names (all groups
+    in order) -> (flat ``state.<fqn>.<name>`` entries, the groups naming their parameters by FQN)."""
+    flat = {state_key(fqns[i], name): v for i, entry in state_dict["state"].items() for name, v in entry.items()}
+    groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state_dict["param_groups"]]
+    return flat, groups
+
+
+def nested(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat ``state.<fqn>.<name>`` entries -> ``{fqn: {name: value}}`` (`set_optimizer_state_dict`'s ``state``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        fqn, name = split_state_key(key)
+        out.setdefault(fqn, {})[name] = value
+    return out
+
+
+def reindexed(state_dict: dict[str, Any], saved_fqns: list[str], own: list[list[str]]) -> dict[str, Any]:
+    """Torch's format whose positions are the parameters `saved_fqns` names -> the same for the groups `own` (each
+    a list of FQNs, e.g. one pipeline stage's), with the saved groups' hyper-parameters."""
+    flat, _ = by_name(state_dict, saved_fqns)
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": fqns}
+              for fqns, saved in zip(own, state_dict["param_groups"])]
+    return by_position(groups, flat)
