@@ -49,7 +49,7 @@ stage drives FSDP so that a schedule step reduce-scatters once, after its last m
 (``accumulate_grad_batches``) that reduce-scatter is skipped too (`_Stage.perform_reduce_grad`): the
 unsharded gradients stay with FSDP until the stepping micro-step. Checkpoint keys are unchanged (the
 original FQNs, DTensor values), so DCP reshards across pp, dp, tp and zero stages (each stage reads only its own
-keys; fused q|k|v projections saved under another tp size go through `checkpoint.load_sharded_relayout`).
+keys; fused q|k|v projections saved under another tp size are relaid out inside `checkpoint.sharded.load_directory`).
 """
 
 from __future__ import annotations
