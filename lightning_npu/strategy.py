@@ -52,7 +52,9 @@ from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import (
     MixedPrecisionOptimizer,
     masters_as_parameters,
+    needs_closure,
     refuse_shared_parameters,
+    refuse_unflattenable,
     unwrap_optimizer,
     wrap_lr_schedulers,
 )
@@ -418,6 +420,11 @@ class NPUHybridStrategy(DDPStrategy):
                     compressor=self._grad_sync.compressor,
                 )
             else:
+                if needs_closure(optimizer):  # LBFGS on FSDP2 shards or tp DTensors: refused before its first step
+                    names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+                    refuse_unflattenable(type(optimizer).__name__, [
+                        (names.get(id(p), "?"), p) for g in optimizer.param_groups for p in g["params"]],
+                        f"zero_stage={cfg.zero_stage}, tensor_parallel_size={cfg.tensor_parallel_size}")
                 wrappers[id(optimizer)] = MixedPrecisionOptimizer(optimizer, scaler, pp_group, master_weights=master_weights)
         self.optimizers = list(wrappers.values())
         wrap_lr_schedulers(self.lr_scheduler_configs, wrappers)

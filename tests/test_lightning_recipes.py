@@ -220,10 +220,15 @@ def _lbfgs() -> dict[str, Any]:
         _trainer(_strategy(stage)).fit(model)
         return _state(model, stage)
 
+    def uneven(stage: int) -> str:  # 3 rows over 2 ranks: an uneven DTensor, which LBFGS cannot flatten
+        model = LBFGSModel()
+        model.layer = nn.Linear(32, 3)
+        return _error(lambda: _trainer(_strategy(stage)).fit(model))
+
     L.seed_everything(0)
     out: dict[str, Any] = {"init": LBFGSModel().state_dict()}
-    out.update({stage: _attempt(fit, stage) for stage in ("ddp", 0, 3)})
-    out["zero1"] = _error(lambda: _trainer(_strategy(1)).fit(LBFGSModel()))
+    out.update({stage: _attempt(fit, stage) for stage in ("ddp", 0, 1, 2, 3)})
+    out["uneven"] = {stage: uneven(stage) for stage in (1, 3)}
     return out
 
 
@@ -364,16 +369,20 @@ def _replay(model: nn.Module, batches: list[torch.Tensor], accumulate: Callable[
 # ---- the tests ----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_lbfgs_closure_reaches_the_optimizer(ranks):
-    """LBFGS evaluates Lightning's closure itself (several times a step): ZeRO 0 and 3 train as "ddp" does; ZeRO-1, whose
-    slices cannot hold LBFGS's global dot products, refuses it with the fix."""
+    """LBFGS evaluates Lightning's closure itself (several times a step): every ZeRO stage trains as "ddp" does (ZeRO-1
+    steps the DTensor slices, whose dot products are global); a parameter whose rows do not split evenly over dp is
+    refused at setup with the fix (DTensor cannot flatten it)."""
     for got in _case(ranks, "lbfgs"):
         ddp = _ran(got["ddp"])
         assert any(not torch.equal(ddp[k], v) for k, v in got["init"].items())  # it trained
-        for stage in (0, 3):
+        for stage in (0, 1, 2, 3):
             state = _ran(got[stage])
             for key, value in ddp.items():
                 close(state[key], value, f"zero {stage} {key}")
-        assert "LBFGS is not one of them" in got["zero1"] and "zero_stage=0" in got["zero1"], got["zero1"]
+        for stage, error in got["uneven"].items():
+            assert error.startswith("ValueError: LBFGS flattens") and ("`layer.weight` (shape (3, 32))" in error
+                                                                       or "`layer.bias` (shape (3,))" in error), error
+            assert "zero_stage=0" in error, error
 
 
 def test_manual_backward_goes_through_strategy_backward(ranks):

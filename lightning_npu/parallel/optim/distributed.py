@@ -26,8 +26,11 @@ price is a copy into the bucket (``torch._chunk_cat``, as FSDP2) and padding of 
 A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
 steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
 
-Only element-wise optimizers are correct on slices (a per-parameter norm, as in LAMB, or a
-factored second moment, as in Adafactor, would see a slice); others are refused with the fix.
+Only element-wise optimizers are correct on local slices (a per-parameter norm, as in LAMB, or a
+factored second moment, as in Adafactor, would see a slice); others are refused with the fix. An optimizer
+that evaluates the closure itself (LBFGS) steps the DTensor slices instead, as under ZeRO 2/3: its dot products
+and norms over the whole gradient are DTensor reductions over dp (one small collective each), its history vectors
+stay sharded, and each closure evaluation refreshes the parameters and reduce-scatters that backward's gradients.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from torch.optim import Optimizer
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel.sync import GradientBuckets
 from lightning_npu.parallel.optim import grad_norm as gn
-from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, refuse_unflattenable
 from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
@@ -79,12 +82,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise ValueError(f"The optimizer is already a {type(optimizer).__name__}.")
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        # LBFGS: steps the DTensor slices (global dot products), not their local views (see the module docstring)
+        self.steps_dtensors = needs_closure(optimizer)
+        self.closure_optimizer = type(optimizer).__name__
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not self.steps_dtensors:
             raise ValueError(
                 f"zero_stage=1 steps each rank's slice of every parameter, which is only correct for element-wise "
-                f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); "
-                f"{type(optimizer).__name__} is not one of them. Use zero_stage=0, or zero_stage 2/3 if the "
-                "optimizer works on FSDP2 shards."
+                f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}) and closure-taking ones "
+                f"(LBFGS); {type(optimizer).__name__} is not one of them. Use zero_stage=0, or zero_stage 2/3 if "
+                "the optimizer works on FSDP2 shards."
             )
         if optimizer.state:
             raise ValueError(
@@ -156,7 +162,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
                     self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param,
                                                                         bucket.replicated)
-                self._local_of[id(master)] = nn.Parameter(master.to_local(), requires_grad=master.requires_grad)
+                self._local_of[id(master)] = master if self.steps_dtensors else nn.Parameter(
+                    master.to_local(), requires_grad=master.requires_grad)
+        if self.steps_dtensors:
+            refuse_unflattenable(self.closure_optimizer, [
+                (self.fqn[id(s.param)], self._shard_of[id(s.param)]) for b in buckets for s in b.slices], "zero_stage=1")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A new group while training (Lightning's `BaseFinetuning` unfreezing layers): its parameters get their own
@@ -286,12 +296,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         pass  # `finish_gradient_sync` attached the reduce-scattered slices to the masters
 
     def _step_main_params(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        for public, local in zip(self.param_groups, self.inner.param_groups):
+            local.update({k: v for k, v in public.items() if k != "params"})  # lr from schedulers, ...
+        if self.steps_dtensors:  # the DTensor masters hold their gradients: each evaluation's, attached in backward
+            return self.inner.step(closure, **kwargs) if closure is not None else self.inner.step(**kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for public, local in zip(self.param_groups, self.inner.param_groups):
-            local.update({k: v for k, v in public.items() if k != "params"})  # lr from schedulers, ...
             for master, view in zip(public["params"], local["params"]):
                 view.grad = None if master.grad is None else master.grad.to_local()  # None: skipped (frozen, guard)
         self.inner.step(**kwargs)

@@ -50,6 +50,32 @@ def needs_closure(optimizer: Optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+def refuse_unflattenable(optimizer: str, named: Iterable[tuple[str, Tensor]], layout: str) -> None:
+    """A closure-taking optimizer (LBFGS) flattens every parameter into one vector (``p.view(-1)``, ``torch.cat``);
+    on a DTensor (ZeRO 1/2/3 slices and shards) that works only when its rows split evenly over the mesh and
+    nothing else is sharded, so anything else is refused here, before training, rather than inside the first step.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for name, p in named:
+        if not isinstance(p, DTensor):
+            continue
+        parts = 1
+        for placement, size in zip(p.placements, p.device_mesh.shape):
+            if type(placement) is Shard and placement.dim == 0:
+                parts *= size
+            elif not isinstance(placement, Replicate):
+                parts = 0
+                break
+        if parts == 0 or (p.dim() and p.shape[0] % parts):
+            raise ValueError(
+                f"{optimizer} flattens every parameter into one vector, which a DTensor allows only "
+                f"when its rows split evenly over the ranks; under {layout} `{name}` (shape {tuple(p.shape)}) is "
+                f"sharded as {p.placements}. Use zero_stage=0, or make its first dimension a multiple of the data "
+                "parallel size (without tensor parallelism)."
+            )
+
+
 def refuse_shared_parameters(optimizers: Iterable[Optimizer], half_only: bool, layout: str) -> None:
     """Each wrapper steps its own fp32 copy of its parameters (ZeRO-1 slices, master weights): a parameter that two
     optimizers step would be overwritten with the other's stale copy at every step, so it is refused.
