@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel.optim.grad_norm import local_tensor
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB, IMAGE = 3, 4, 16, 128, 16
 CLIP = 0.5  # below every model's gradient norm here: each step clips, by the global norm the layout computes
@@ -239,7 +240,9 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
         report = f"{report}\n{trainer.strategy.pipeline_plan}" if report is not None else trainer.strategy.pipeline_plan
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model),
             "report": str(report) if report is not None else None,
-            "buffers": {n: type(b).__name__ for n, b in model.named_buffers()}}
+            "buffers": {n: type(b).__name__ for n, b in model.named_buffers()},
+            # what this rank holds of the MoE experts' parameters (elements)
+            "local_experts": sum(local_tensor(p).numel() for n, p in model.named_parameters() if ".experts." in n)}
 
 
 @dataclass(frozen=True)

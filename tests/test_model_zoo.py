@@ -33,19 +33,19 @@ EXPERTS_REPLICATED = {"tp_plan": {"*": "auto", "*.mlp.experts": "replicate"}}
 PHI3_SPLIT = {"tp_plan": {"*": "auto", "*.qkv_proj": "qkv", "*.self_attn.o_proj": "rowwise",
                           "*.gate_up_proj": "gate_up", "*.mlp.down_proj": "rowwise"}}
 TP_CASES = {
-    **{name: Case(name) for name in MODELS if name not in MOE},
+    **{name: Case(name) for name in MODELS},
     "phi3 (qkv split)": Case("phi3", PHI3_SPLIT),
     "phi3-mha (qkv split)": Case("phi3-mha", PHI3_SPLIT),
     # ZeRO 3 on top of tp: FSDP2 over the tp DTensors (per-head norms' partial gradients, CLIP's scalar left out)
     "gemma3 zero3": Case("gemma3", {"zero_stage": 3}),
     "clip zero3": Case("clip", {"zero_stage": 3}),
-    "mixtral": Case("mixtral"),
-    **{f"{name} (experts replicated)": Case(name, EXPERTS_REPLICATED) for name in MOE},
+    "mixtral (experts replicated)": Case("mixtral", EXPERTS_REPLICATED),
+    "mixtral (colwise experts)": Case("mixtral", {"tp_plan": {"*": "auto", "*.mlp.experts": "colwise"}}),
     "error in a sharded forward": Case("llama", model_cls="RaisesInShardedForward"),
 }
-# sequence parallelism: the decoders, MoE experts replicated (the MoE issue's to split)
-SP_CASES = {(f"{name} (experts replicated)" if name in MOE else name): Case(name, EXPERTS_REPLICATED if name in MOE
-                                                                            else {}) for name in DECODERS}
+# sequence parallelism: the decoders (MoE experts split over tp, their tokens gathered), and experts replicated
+SP_CASES = {**{name: Case(name) for name in DECODERS},
+            "mixtral (experts replicated)": Case("mixtral", EXPERTS_REPLICATED)}
 LAYOUTS = {
     "tp2": ({"tensor_parallel_size": 2}, TP_CASES),
     "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, SP_CASES),
@@ -67,9 +67,8 @@ TITLES = {"tp2": "tp=2", "tp2-sp": "tp=2, sequence parallel", "pp2": "pp=2", "dp
           "dp2-zero3": "dp=2, ZeRO-3", "pp2 bf16": "pp=2, bf16", "tp2-sp bf16": "tp=2 + sp, bf16",
           "dp2-zero3 bf16": "ZeRO-3, bf16"}
 REFUSED = {  # (layout, case) -> what the error must say
-    ("tp2", "mixtral"): r"ParallelConfigError: tp_plan='auto' cannot shard module model\.model\.layers\.0\.mlp\.experts "
-                        r".*MoE experts are not tensor-parallel here yet.*'model\.model\.layers\.\*\.mlp\.experts': "
-                        r"'replicate'",
+    ("tp2", "mixtral (colwise experts)"): r"ParallelConfigError: tp_plan style 'colwise' for module "
+                                          r"model\.model\.layers\.0\.mlp\.experts needs an nn\.Linear",
 }
 
 
@@ -171,8 +170,14 @@ def test_layouts_are_what_they_say(zoo):
     sp = zoo["tp2-sp"][0]["llama"]["report"]
     assert "model.model.layers.0: shard_seq" in sp and "model.model.layers.1: gather_seq_output" in sp
     assert "model.model.layers.0.input_layernorm: norm" in sp
-    ds = zoo["tp2-sp"][0]["deepseek-v3 (experts replicated)"]["report"]
+    ds = zoo["tp2-sp"][0]["deepseek-v3"]["report"]
     assert "model.model.layers.1.self_attn: full_sequence" in ds and "layers.1.mlp.gate: replicate_sum_grad" in ds
+    # expert tensor parallelism (transformers' moe_tp_experts): each tp rank holds half of every expert
+    for name in MOE:
+        assert "mlp.experts: experts" in zoo["tp2"][0][name]["report"], name
+        whole = sum(v.numel() for k, v in zoo["reference"][name]["state"].items() if ".experts." in k)
+        for layout in ("tp2", "tp2-sp"):
+            assert [zoo[layout][rank][name]["local_experts"] for rank in range(2)] == [whole // 2] * 2, (layout, name)
 
 
 def test_docs_show_the_measured_matrix(zoo):

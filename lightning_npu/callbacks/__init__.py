@@ -12,6 +12,7 @@ from lightning_npu.callbacks.memory import MemoryMonitor
 from lightning_npu.callbacks.metrics import PrometheusMetrics
 from lightning_npu.callbacks.preemption import PreemptionCheckpoint
 from lightning_npu.callbacks.recovery import TrainingFailure, TrainingGuard
+from lightning_npu.parallel.expert_parallel.router_monitor import RouterMonitor
 
 __all__ = [
     "CheckpointCorruptedError",
@@ -20,6 +21,7 @@ __all__ = [
     "MemoryMonitor",
     "PreemptionCheckpoint",
     "PrometheusMetrics",
+    "RouterMonitor",
     "TrainingFailure",
     "TrainingGuard",
 ]

@@ -52,9 +52,12 @@ TRANSFORMERS_STYLES = {
     "embedding_colwise": "colwise_rep",
     "packed_colwise": "gate_up",
     "replicated_with_grad_allreduce": "replicate_sum_grad",
+    "moe_tp_experts": "experts",
     "replicate": "replicate",
 }
 _EXPERT_STYLES = ("moe", "ep_", "grouped_gemm", "packed_rowwise")
+# the parameter entries transformers gives an experts module whose style is "moe_tp_experts"
+_EXPERT_PARAMS = {("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise")}
 
 
 @dataclass
@@ -142,6 +145,8 @@ def auto_plan(model: nn.Module, modules: dict[str, nn.Module]) -> AutoPlan:
                 planned[_join(prefix, name)] = style
             for pname, _ in module.named_parameters(recurse=False):  # entries for a parameter (MoE experts)
                 pstyle = plan.get(_generic(_join(name, pname)))
+                if style == "moe_tp_experts" and (pname, pstyle) in _EXPERT_PARAMS:
+                    continue  # what the experts style does with them
                 if pstyle is not None and pstyle != "replicate":
                     expert = "expert" in type(module).__name__.lower() or pstyle.startswith(_EXPERT_STYLES)
                     out.reasons.setdefault(_join(prefix, name), (

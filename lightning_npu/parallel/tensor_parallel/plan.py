@@ -352,6 +352,9 @@ def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
         module = modules[fqn]
         if name == "custom":
             continue
+        if name == "experts":
+            _check_experts(tp, fqn, module)
+            continue
         if isinstance(module, nn.Embedding):
             dim_size = module.num_embeddings if name in ("vocab", "rowwise") else module.embedding_dim
             what = "vocab_size" if name in ("vocab", "rowwise") else "embedding_dim"
@@ -381,6 +384,18 @@ def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
                 _check_divides(tp, f"out_features of part {i} of {len(part_sizes(fused, out_f))}", size, fqn)
         else:
             _check_divides(tp, "out_features", out_f, fqn)
+
+
+def _check_experts(tp: int, fqn: str, module: nn.Module) -> None:
+    params = dict(module.named_parameters(recurse=False))
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        raise ParallelConfigError(
+            f"tp_plan style 'experts' for module {fqn} ({type(module).__name__}) needs transformers' 3-D expert "
+            "parameters gate_up_proj [experts, 2 x intermediate, hidden] and down_proj [experts, hidden, "
+            f"intermediate], got {sorted(params)}; keep it whole with 'replicate'.")
+    _check_divides(tp, "the experts' intermediate size", down.shape[2], fqn,
+                   "; every rank holds whole columns of each expert's gate and up projections.")
 
 
 def _vocab_fix(tp: int, vocab: int) -> str:

@@ -246,6 +246,63 @@ class ReplicateSumGrad(ParallelStyle):
         return "ReplicateSumGrad()"
 
 
+class ExpertsTensorParallel(ParallelStyle):
+    """transformers' ``moe_tp_experts``: every expert split over tp, as Megatron's expert tensor parallelism.
+
+    The experts module holds 3-D ``gate_up_proj`` ``[experts, 2 x inter, hidden]`` (column-split keeping each rank's
+    gate and up halves together, rank-major as a fused projection) and ``down_proj`` ``[experts, hidden, inter]``
+    (row-split). Each rank runs the model's own expert loop on the same tokens with its slices, which gives a partial
+    sum of the output: it is all-reduced (reduce-scattered back to token shards under sequence parallelism, where the
+    tokens are first gathered). The inputs' gradients are partial too and are reduced in backward.
+    """
+
+    PARAMS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, token_sharded: bool = False) -> None:
+        super().__init__()
+        self.token_sharded = token_sharded
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gate_up, down = module.gate_up_proj, module.down_proj
+        tp = device_mesh.size()
+        up_dt = distribute_tensor(_rank_major(gate_up.data, 1, 2, tp), device_mesh, [Shard(1)])
+        module.register_parameter("gate_up_proj", nn.Parameter(up_dt, requires_grad=gate_up.requires_grad))
+        tensor_state(module.gate_up_proj).fused = (1, 2)
+        module.register_parameter("down_proj", nn.Parameter(
+            distribute_tensor(down.data, device_mesh, [Shard(2)]), requires_grad=down.requires_grad))
+        tokens = Shard(0) if self.token_sharded else Replicate()
+        swapped: dict[str, nn.Parameter] = {}
+
+        def whole(t: Any) -> Any:  # the tokens every tp rank computes on; their gradient is summed over tp
+            if not isinstance(t, torch.Tensor):
+                return t
+            dt = DTensor.from_local(t, device_mesh, [tokens], run_check=False).redistribute(device_mesh, [Replicate()])
+            return dt.to_local(grad_placements=[Partial()]) if t.is_floating_point() else dt.to_local()
+
+        def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for pname in self.PARAMS:
+                p = mod._parameters[pname]
+                if isinstance(p, DTensor):
+                    swapped[pname] = p  # type: ignore[assignment]
+                    mod._parameters[pname] = p.to_local()  # type: ignore[assignment]
+            return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+        def after(mod: nn.Module, args: Any, output: Any) -> Any:
+            mod._parameters.update(swapped)
+            swapped.clear()
+            if not isinstance(output, torch.Tensor):
+                return output
+            dt = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
+            return dt.redistribute(device_mesh, [tokens]).to_local()
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"ExpertsTensorParallel(token_sharded={self.token_sharded})"
+
+
 class _Replicate(ParallelStyle):
     """Leave the module replicated on every tp rank (norms, position embeddings)."""
 
@@ -370,6 +427,8 @@ def _sequence_parallel_style(name: str, module: nn.Module, fused: Optional[Fused
         return style
     if name == "rowwise_rep":
         return Rowwise(input_layouts=Replicate(), output_layouts=Shard(seq_dim))
+    if name == "experts":  # the MoE block flattens its tokens: [tokens, hidden]
+        return ExpertsTensorParallel(token_sharded=True)
     if name == "vocab" and isinstance(module, nn.Embedding):
         return Rowwise(input_layouts=Replicate(), output_layouts=Shard(seq_dim))
     if name == "vocab":
@@ -394,7 +453,8 @@ def style_from_name(name: str, module: nn.Module, fused: Optional[Fused] = None)
     with the output gathered; rowwise_rep: row-parallel on a replicated input (each rank uses its slice; the pair
     colwise_rep + rowwise_rep keeps what lies between them whole); qkv / gate_up: fused column-parallel keeping
     each rank's parts together (`fused`: the parts' sizes where they differ); replicate_sum_grad: replicated,
-    used on local heads, gradient summed over tp; sequence: norm/dropout on sequence shards; replicate: not sharded.
+    used on local heads, gradient summed over tp; experts: every MoE expert split over tp (`ExpertsTensorParallel`);
+    sequence: norm/dropout on sequence shards; replicate: not sharded.
     """
     if name == "colwise":
         return Colwise()
@@ -408,6 +468,8 @@ def style_from_name(name: str, module: nn.Module, fused: Optional[Fused] = None)
         return Rowwise(input_layouts=Replicate())
     if name == "replicate_sum_grad":
         return ReplicateSumGrad()
+    if name == "experts":
+        return ExpertsTensorParallel()
     if name == "vocab":
         if isinstance(module, nn.Embedding):
             return Rowwise(input_layouts=Replicate())
