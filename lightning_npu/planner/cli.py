@@ -15,6 +15,7 @@ from typing import Any, Optional
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
 from lightning_npu.planner.search import Estimate, Plan, plan
 from lightning_npu.planner.spec import (
+    ACCOUNTINGS,
     ATTENTIONS,
     MLPS,
     PRECISIONS,
@@ -57,11 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Gb/s (bits) per device between nodes, as NICs are quoted (default 200: one 200G RoCE NIC)")
     c.add_argument("--gemm-efficiency", type=float, default=0.5, help="fraction of peak the matrix products reach")
     c.add_argument("--latency-us", type=float, default=10.0, help="per-message latency (alpha)")
+    c.add_argument("--memory-gbps", type=float, default=1600.0,
+                   help="device memory bandwidth, GB/s (what selective recomputation's replayed ops are bound by)")
     t = p.add_argument_group("training")
     t.add_argument("--precision", choices=PRECISIONS,
                    help="Trainer precision (default bf16-mixed; bf16-true with --memory-only)")
     t.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw")
-    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="pipeline schedule; interleaved_1f1b also searches the interleave depth v")
+    t.add_argument("--accounting", choices=ACCOUNTINGS, default="lightning-npu",
+                   help="whose optimizer memory: lightning-npu's (default), paper/deepspeed (a full gradient buffer "
+                   "at ZeRO-1) or megatron (a full fp32 main_grad buffer): to check another framework's run")
     t.add_argument("--top", type=int, default=10, help="layouts to print")
     t.add_argument("--json", action="store_true", help="the same figures as JSON")
     mo = p.add_argument_group("model states only (the ZeRO paper's table)")
@@ -103,7 +110,8 @@ def _model(opts: argparse.Namespace) -> ModelSpec:
 
 def _cluster(opts: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(opts.devices, opts.devices_per_node, opts.device_memory_gb, opts.peak_tflops,
-                       opts.intra_node_gbps, opts.inter_node_gbps, opts.gemm_efficiency, opts.latency_us)
+                       opts.intra_node_gbps, opts.inter_node_gbps, opts.gemm_efficiency, opts.latency_us,
+                       memory_GBps=opts.memory_gbps)
 
 
 def memory_only(opts: argparse.Namespace) -> dict[str, Any]:
@@ -156,6 +164,8 @@ def strategy_block(result: Plan, best: Estimate) -> str:
     for key, value in best.layout.strategy_init_args().items():
         lines.append(f"      {key}: {json.dumps(value)}")
     lay = best.layout
+    if lay.v > 2:  # the depth is the model's declaration, not a strategy argument
+        lines.append(f"# model: pipeline_layout = PipelineLayout(virtual_stages={lay.v}) on the LightningModule")
     if lay.pp == 1 and lay.micro_batches > 1:  # without a pipeline, micro-batches are Lightning's accumulation
         lines.insert(5, f"  accumulate_grad_batches: {lay.micro_batches}")
         lines.append(f"# data: batch_size {lay.micro_batch_size} per data-parallel rank and step")
@@ -168,17 +178,18 @@ def strategy_block(result: Plan, best: Estimate) -> str:
 def _table(result: Plan, top: int) -> str:
     shown = result.ranked[:top]
     unit, scale = memory_unit(max(e.memory.total for e in shown))
-    head = ["#", "tp", "pp", "dp", "zero", "M x b", "sp", "recompute", *(f"{k} {unit}" for k in (
-            "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "TFLOP/s/dev"]
+    head = ["#", "tp", "pp", "dp", "zero", "M x b", "v", "sp", "recompute", *(f"{k} {unit}" for k in (
+            "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "MFU", "HFU"]
     rows = []
+    devices, peak = result.cluster.devices, result.cluster.peak_tflops
     for i, e in enumerate(shown, 1):
         lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
         rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage),
-                     f"{lay.micro_batches}x{lay.micro_batch_size}", "y" if lay.sequence_parallel else "-",
+                     f"{lay.micro_batches}x{lay.micro_batch_size}", str(lay.v), "y" if lay.sequence_parallel else "-",
                      lay.recompute or "-", *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer",
                                                                      "activations", "buffers", "total")),
-                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
-                     f"{e.time.tflops_per_device(result.cluster.devices):.1f}"])
+                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}", f"{e.time.mfu(devices, peak):.1%}",
+                     f"{e.time.hfu(devices, peak):.1%}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([fmt(head), *(fmt(r) for r in rows)])
@@ -213,13 +224,14 @@ def run(opts: argparse.Namespace) -> int:
         raise PlannerError(missing)
     model, cluster = _model(opts), _cluster(opts)
     result = plan(model, cluster, precision=opts.precision or "bf16-mixed", optimizer=opts.optimizer,
-                  schedule=opts.schedule)
+                  schedule=opts.schedule, accounting=opts.accounting)
     if opts.json:
         print(json.dumps({
             "model": {**model.__dict__, "params": model.num_params()},
             "cluster": cluster.__dict__, "precision": result.precision, "optimizer": result.optimizer,
+            "accounting": result.accounting,
             "considered": result.considered, "rejected": dict(result.rejected),
-            "layouts": [e.to_dict(cluster.devices) for e in result.ranked[: opts.top]],
+            "layouts": [e.to_dict(cluster.devices, cluster.peak_tflops) for e in result.ranked[: opts.top]],
             "strategy_block": strategy_block(result, result.best) if result.best else None,
         }, indent=2))
         return 0 if result.best else 1
