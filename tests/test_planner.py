@@ -325,3 +325,33 @@ def test_memory_estimate_within_15_percent_of_measured_bytes(measured):
                 assert err < 0.15, (layout.describe(), rank, part, want, got[part])
         assert stages == set(range(pp))
     print("largest relative error per component:", {k: round(v, 4) for k, v in worst.items()})
+
+
+# ---- --calibrate: a measured 2-process CPU run -----------------------------------------------------------------------
+def test_calibrate_on_a_measured_cpu_run(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from tests._callbacks_helpers import clean_env
+
+    script = Path(sys.executable).with_name("lightning-npu")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_npu.cli"]
+    cmd += ["fit", "--config", str(ROOT / "examples/gpt/config.yaml"), "--trainer.max_steps", "10",
+            "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.callbacks+=lightning_npu.callbacks.MemoryMonitor", "--model.init_args.n_layer", "2",
+            "--model.init_args.n_embd", "32", "--data.init_args.block_size", "32", "--model.init_args.block_size", "32"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert plan_main(["--calibrate", str(tmp_path), "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cal = out["calibration"]
+    assert cal["layout"].startswith("tp1 pp2 dp1")  # the example config's pipeline, read from the run's config.yaml
+    # before: the default 280 TFLOP/s device at 50%, far off for a CPU; after: the run's median step within 25%
+    assert cal["uncalibrated_step_s"] < 0.1 * cal["measured_step_s"]
+    assert abs(cal["predicted_step_s"] / cal["measured_step_s"] - 1) < 0.25, cal
+    assert 0.8 < cal["memory_overhead"] < 1.25, cal  # the tensors MemoryMonitor counts against the estimate's
+    assert out["layouts"] and out["cluster"]["gemm_efficiency"] == pytest.approx(cal["efficiency"])
+    with pytest.raises(SystemExit):
+        plan_main(["--calibrate", str(tmp_path / "nowhere")])
+    assert "no such directory" in capsys.readouterr().err

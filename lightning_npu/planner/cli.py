@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any, Optional
 
+from lightning_npu.planner.calibrate import calibrate, summary
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
 from lightning_npu.planner.search import Estimate, Plan, plan
 from lightning_npu.planner.spec import (
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--accounting", choices=ACCOUNTINGS, default="lightning-npu",
                    help="whose optimizer memory: lightning-npu's (default), paper/deepspeed (a full gradient buffer "
                    "at ZeRO-1) or megatron (a full fp32 main_grad buffer): to check another framework's run")
+    t.add_argument("--calibrate", metavar="RUN_DIR",
+                   help="a run's log directory (lightning_logs/version_N or a folder above it): fit the efficiency and "
+                   "memory overhead to its measured step time (tokens_per_s) and peak memory (MemoryMonitor), then "
+                   "rank; the model and devices default to the run's")
     t.add_argument("--top", type=int, default=10, help="layouts to print")
     t.add_argument("--json", action="store_true", help="the same figures as JSON")
     mo = p.add_argument_group("model states only (the ZeRO paper's table)")
@@ -88,6 +93,8 @@ def _missing(opts: argparse.Namespace) -> Optional[str]:
     """Everything a plan still needs, in one message with an example: a first run without arguments learns
     all of it at once, not one option per attempt."""
     missing = []
+    if opts.calibrate:
+        return None
     if not opts.model:
         sizes = [f"--{k.replace('_', '-')}" for k in _SIZES if getattr(opts, k) is None]
         if sizes:
@@ -222,14 +229,33 @@ def run(opts: argparse.Namespace) -> int:
     missing = _missing(opts)
     if missing:
         raise PlannerError(missing)
-    model, cluster = _model(opts), _cluster(opts)
-    result = plan(model, cluster, precision=opts.precision or "bf16-mixed", optimizer=opts.optimizer,
+    calibration = None
+    if opts.calibrate:
+        devices = opts.devices
+        opts.devices = devices or 1
+        calibration = calibrate(opts.calibrate, _cluster(opts), opts.optimizer)
+        opts.devices = devices or calibration.layout.devices
+        given = opts.model or any(getattr(opts, k) is not None for k in _SIZES)
+        model = _model(opts) if given else calibration.model
+        cluster = calibration.cluster(_cluster(opts))
+        print(summary(calibration) if not opts.json else "", end="\n" if not opts.json else "")
+    else:
+        model, cluster = _model(opts), _cluster(opts)
+    default_precision = calibration.precision if calibration else "bf16-mixed"
+    result = plan(model, cluster, precision=opts.precision or default_precision, optimizer=opts.optimizer,
                   schedule=opts.schedule, accounting=opts.accounting)
     if opts.json:
         print(json.dumps({
             "model": {**model.__dict__, "params": model.num_params()},
             "cluster": cluster.__dict__, "precision": result.precision, "optimizer": result.optimizer,
             "accounting": result.accounting,
+            "calibration": None if calibration is None else {
+                "run_dir": str(calibration.run_dir), "layout": calibration.layout.describe(),
+                "measured_step_s": calibration.measured_step_s, "predicted_step_s": calibration.predicted_step_s,
+                "uncalibrated_step_s": calibration.uncalibrated_step_s, "efficiency": calibration.efficiency,
+                "measured_peak_bytes": calibration.measured_peak_bytes,
+                "estimated_peak_bytes": calibration.estimated_peak_bytes,
+                "memory_overhead": calibration.memory_overhead},
             "considered": result.considered, "rejected": dict(result.rejected),
             "layouts": [e.to_dict(cluster.devices, cluster.peak_tflops) for e in result.ranked[: opts.top]],
             "strategy_block": strategy_block(result, result.best) if result.best else None,
@@ -238,7 +264,7 @@ def run(opts: argparse.Namespace) -> int:
     print(f"model: {human_count(model.num_params())} parameters ({model.layers} layers, hidden {model.hidden}, "
           f"{model.heads} heads, seq {model.seq}, global batch {model.global_batch}); {cluster.devices} devices "
           f"({cluster.devices_per_node} per node, {cluster.device_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s at "
-          f"{cluster.gemm_efficiency:.0%}); {result.precision}, {result.optimizer}")
+          f"{cluster.gemm_efficiency:.3g} efficiency); {result.precision}, {result.optimizer}")
     if not result.best:
         print(f"no layout fits: all {result.considered} were rejected:", *_rejections(result), sep="\n")
         print("fix: more devices or device memory, a smaller global batch or sequence, or a smaller model.")
