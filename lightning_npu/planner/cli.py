@@ -12,9 +12,11 @@ import json
 import sys
 from typing import Any, Optional
 
+from lightning_npu.planner.calibrate import calibrate, summary
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
 from lightning_npu.planner.search import Estimate, Plan, plan
 from lightning_npu.planner.spec import (
+    ACCOUNTINGS,
     ATTENTIONS,
     MLPS,
     PRECISIONS,
@@ -57,11 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Gb/s (bits) per device between nodes, as NICs are quoted (default 200: one 200G RoCE NIC)")
     c.add_argument("--gemm-efficiency", type=float, default=0.5, help="fraction of peak the matrix products reach")
     c.add_argument("--latency-us", type=float, default=10.0, help="per-message latency (alpha)")
+    c.add_argument("--memory-gbps", type=float, default=1600.0,
+                   help="device memory bandwidth, GB/s (what selective recomputation's replayed ops are bound by)")
     t = p.add_argument_group("training")
     t.add_argument("--precision", choices=PRECISIONS,
                    help="Trainer precision (default bf16-mixed; bf16-true with --memory-only)")
     t.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adamw")
-    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    t.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="pipeline schedule; interleaved_1f1b also searches the interleave depth v")
+    t.add_argument("--accounting", choices=ACCOUNTINGS, default="lightning-npu",
+                   help="whose optimizer memory: lightning-npu's (default), paper/deepspeed (a full gradient buffer "
+                   "at ZeRO-1) or megatron (a full fp32 main_grad buffer): to check another framework's run")
+    t.add_argument("--calibrate", metavar="RUN_DIR",
+                   help="a run's log directory (lightning_logs/version_N or a folder above it): fit the efficiency and "
+                   "memory overhead to its measured step time (tokens_per_s) and peak memory (MemoryMonitor), then "
+                   "rank; the model and devices default to the run's")
     t.add_argument("--top", type=int, default=10, help="layouts to print")
     t.add_argument("--json", action="store_true", help="the same figures as JSON")
     mo = p.add_argument_group("model states only (the ZeRO paper's table)")
@@ -81,6 +93,8 @@ def _missing(opts: argparse.Namespace) -> Optional[str]:
     """Everything a plan still needs, in one message with an example: a first run without arguments learns
     all of it at once, not one option per attempt."""
     missing = []
+    if opts.calibrate:
+        return None
     if not opts.model:
         sizes = [f"--{k.replace('_', '-')}" for k in _SIZES if getattr(opts, k) is None]
         if sizes:
@@ -103,7 +117,8 @@ def _model(opts: argparse.Namespace) -> ModelSpec:
 
 def _cluster(opts: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(opts.devices, opts.devices_per_node, opts.device_memory_gb, opts.peak_tflops,
-                       opts.intra_node_gbps, opts.inter_node_gbps, opts.gemm_efficiency, opts.latency_us)
+                       opts.intra_node_gbps, opts.inter_node_gbps, opts.gemm_efficiency, opts.latency_us,
+                       memory_GBps=opts.memory_gbps)
 
 
 def memory_only(opts: argparse.Namespace) -> dict[str, Any]:
@@ -156,6 +171,8 @@ def strategy_block(result: Plan, best: Estimate) -> str:
     for key, value in best.layout.strategy_init_args().items():
         lines.append(f"      {key}: {json.dumps(value)}")
     lay = best.layout
+    if lay.v > 2:  # the depth is the model's declaration, not a strategy argument
+        lines.append(f"# model: pipeline_layout = PipelineLayout(virtual_stages={lay.v}) on the LightningModule")
     if lay.pp == 1 and lay.micro_batches > 1:  # without a pipeline, micro-batches are Lightning's accumulation
         lines.insert(5, f"  accumulate_grad_batches: {lay.micro_batches}")
         lines.append(f"# data: batch_size {lay.micro_batch_size} per data-parallel rank and step")
@@ -168,17 +185,18 @@ def strategy_block(result: Plan, best: Estimate) -> str:
 def _table(result: Plan, top: int) -> str:
     shown = result.ranked[:top]
     unit, scale = memory_unit(max(e.memory.total for e in shown))
-    head = ["#", "tp", "pp", "dp", "zero", "M x b", "sp", "recompute", *(f"{k} {unit}" for k in (
-            "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "TFLOP/s/dev"]
+    head = ["#", "tp", "pp", "dp", "zero", "M x b", "v", "sp", "recompute", *(f"{k} {unit}" for k in (
+            "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "MFU", "HFU"]
     rows = []
+    devices, peak = result.cluster.devices, result.cluster.peak_tflops
     for i, e in enumerate(shown, 1):
         lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
         rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage),
-                     f"{lay.micro_batches}x{lay.micro_batch_size}", "y" if lay.sequence_parallel else "-",
+                     f"{lay.micro_batches}x{lay.micro_batch_size}", str(lay.v), "y" if lay.sequence_parallel else "-",
                      lay.recompute or "-", *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer",
                                                                      "activations", "buffers", "total")),
-                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
-                     f"{e.time.tflops_per_device(result.cluster.devices):.1f}"])
+                     f"{e.time.step_s:.3g}", f"{e.tokens_per_s:,.0f}", f"{e.time.mfu(devices, peak):.1%}",
+                     f"{e.time.hfu(devices, peak):.1%}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([fmt(head), *(fmt(r) for r in rows)])
@@ -211,22 +229,42 @@ def run(opts: argparse.Namespace) -> int:
     missing = _missing(opts)
     if missing:
         raise PlannerError(missing)
-    model, cluster = _model(opts), _cluster(opts)
-    result = plan(model, cluster, precision=opts.precision or "bf16-mixed", optimizer=opts.optimizer,
-                  schedule=opts.schedule)
+    calibration = None
+    if opts.calibrate:
+        devices = opts.devices
+        opts.devices = devices or 1
+        calibration = calibrate(opts.calibrate, _cluster(opts), opts.optimizer)
+        opts.devices = devices or calibration.layout.devices
+        given = opts.model or any(getattr(opts, k) is not None for k in _SIZES)
+        model = _model(opts) if given else calibration.model
+        cluster = calibration.cluster(_cluster(opts))
+        print(summary(calibration) if not opts.json else "", end="\n" if not opts.json else "")
+    else:
+        model, cluster = _model(opts), _cluster(opts)
+    default_precision = calibration.precision if calibration else "bf16-mixed"
+    result = plan(model, cluster, precision=opts.precision or default_precision, optimizer=opts.optimizer,
+                  schedule=opts.schedule, accounting=opts.accounting)
     if opts.json:
         print(json.dumps({
             "model": {**model.__dict__, "params": model.num_params()},
             "cluster": cluster.__dict__, "precision": result.precision, "optimizer": result.optimizer,
+            "accounting": result.accounting,
+            "calibration": None if calibration is None else {
+                "run_dir": str(calibration.run_dir), "layout": calibration.layout.describe(),
+                "measured_step_s": calibration.measured_step_s, "predicted_step_s": calibration.predicted_step_s,
+                "uncalibrated_step_s": calibration.uncalibrated_step_s, "efficiency": calibration.efficiency,
+                "measured_peak_bytes": calibration.measured_peak_bytes,
+                "estimated_peak_bytes": calibration.estimated_peak_bytes,
+                "memory_overhead": calibration.memory_overhead},
             "considered": result.considered, "rejected": dict(result.rejected),
-            "layouts": [e.to_dict(cluster.devices) for e in result.ranked[: opts.top]],
+            "layouts": [e.to_dict(cluster.devices, cluster.peak_tflops) for e in result.ranked[: opts.top]],
             "strategy_block": strategy_block(result, result.best) if result.best else None,
         }, indent=2))
         return 0 if result.best else 1
     print(f"model: {human_count(model.num_params())} parameters ({model.layers} layers, hidden {model.hidden}, "
           f"{model.heads} heads, seq {model.seq}, global batch {model.global_batch}); {cluster.devices} devices "
           f"({cluster.devices_per_node} per node, {cluster.device_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s at "
-          f"{cluster.gemm_efficiency:.0%}); {result.precision}, {result.optimizer}")
+          f"{cluster.gemm_efficiency:.3g} efficiency); {result.precision}, {result.optimizer}")
     if not result.best:
         print(f"no layout fits: all {result.considered} were rejected:", *_rejections(result), sep="\n")
         print("fix: more devices or device memory, a smaller global batch or sequence, or a smaller model.")

@@ -17,13 +17,18 @@ bf16-true      2        2          4                  2
 ``bf16-mixed`` keeps fp32 weights under autocast (4 + 4 + 8 = 16 bytes, split differently).
 
 Activations count the tensors autograd saves for backward in a pre-norm decoder block, per token (h hidden,
-f MLP width, a heads, s sequence, t tensor-parallel size): the two norm inputs (2h, split by sequence
-parallelism), the two norm outputs (2h), q/k/v ((h + 2 kv)/t), the attention output (h/t), the MLP's inner
-tensors (2f/t for GELU, 4f/t for SwiGLU), the softmax probabilities (a s / t) unless attention is fused
-(flash) or recomputed (selective), and the norms' fp32 statistics. Full recomputation keeps only each block's
-input, plus one block's activations while it is recomputed. The last stage adds the final norm and the fp32
-log-probabilities of the loss (4 V / t bytes per token). A pipeline stage i keeps min(P - i, M) micro-batches
-in flight under 1F1B and M under GPipe (interleaved 1F1B: see `in_flight_micro_batches`).
+f MLP width, a heads, s sequence, t tensor-parallel size): the two norm inputs and the two norm outputs (2h + 2h,
+both split by t under sequence parallelism, as in Korthikanti et al. 2022), q/k/v ((h + 2 kv)/t), the attention
+output (h/t), the MLP's inner tensors (2f/t for GELU, 4f/t for SwiGLU), the softmax probabilities (a s / t) unless
+attention is fused (flash), and the norms' fp32 statistics. Dropout masks are not counted (dropout 0). With
+dropout 0 this is Korthikanti et al.'s s b h (10 + 24/t + 5 a s / h t) (and s b h / t (34 + 5 a s / h) under
+sequence parallelism) less their dropout terms. Full recomputation keeps only each block's input, plus one
+block's activations while it is recomputed. Selective recomputation is op-level (torch's selective activation
+checkpointing, as torchtitan's op-level SAC and `lightning_npu.parallel.recompute` do): matmul and attention
+outputs are kept (q/k/v, the attention output, both output projections, the MLP's up/gate projections; the scores
+under eager attention), norms and activation functions are replayed. The last stage adds the final norm and the
+fp32 log-probabilities of the loss (4 V / t bytes per token). A pipeline stage i keeps min(P - i, M)
+micro-batches in flight under 1F1B and M under GPipe (interleaved 1F1B: see `in_flight_micro_batches`).
 """
 
 from __future__ import annotations
@@ -52,16 +57,26 @@ def model_state_bytes(params: float, dp: int, zero_stage: int, precision: str = 
     """Bytes per rank of weights, gradients and optimizer state (master copies included) for `params`
     parameters replicated over `dp` ranks, at one ZeRO stage.
 
-    ``accounting="paper"`` is the ZeRO paper's; ``"lightning-npu"`` differs at stage 1 only, where our
-    distributed optimizer (Megatron's) reduce-scatters the gradients into fp32 slices bucket by bucket during
-    backward (the model's gradients are freed as their bucket is reduced: the buckets are counted as buffers),
-    and steps fp32 master slices even for fp32 weights.
+    ``accounting="paper"`` (or ``"deepspeed"``) is the ZeRO paper's, DeepSpeed's: a full gradient buffer at stage 1.
+    ``"lightning-npu"`` differs at stage 1 only, where our distributed optimizer reduce-scatters the gradients into
+    fp32 slices bucket by bucket during backward (the model's gradients are freed as their bucket is reduced: the
+    buckets are counted as buffers), and steps fp32 master slices even for fp32 weights. ``"megatron"`` is
+    Megatron-LM's (its docs' distributed-optimizer table): 16-bit weights keep a full fp32 gradient buffer
+    (``main_grad``), 18 bytes per parameter without the distributed optimizer and 6 + 12/dp with it (bf16), 20 and
+    4 + 16/dp for fp16 (fp16 gradients, an fp32 copy sharded with the optimizer), 16 and 8 + 8/dp for fp32.
     """
     w, g, master, _ = PRECISION_BYTES[precision]
     k = master + OPTIMIZER_BYTES[optimizer]
     if accounting == "lightning-npu" and zero_stage == 1 and dp > 1:
         return {"parameters": params * w, "gradients": params * 4 / dp,
                 "optimizer": params * (4 + OPTIMIZER_BYTES[optimizer]) / dp}
+    if accounting == "megatron" and zero_stage <= 1:
+        shard = dp if zero_stage == 1 else 1
+        if precision in ("16-true", "16-mixed"):  # fp16 gradients; their fp32 copy goes with the optimizer state
+            return {"parameters": params * 2, "gradients": params * 2, "optimizer": params * (4 + k) / shard}
+        if w == 2:  # bf16 weights, fp32 main_grad buffer
+            return {"parameters": params * 2, "gradients": params * 4, "optimizer": params * k / shard}
+        return {"parameters": params * 4, "gradients": params * 4, "optimizer": params * k / shard}
     return {
         "parameters": params * w / (dp if zero_stage >= 3 else 1),
         "gradients": params * g / (dp if zero_stage >= 2 else 1),
@@ -113,20 +128,23 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
 def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, recompute: str | None) -> float:
     """Bytes one block saves for backward per token (see the module docstring)."""
     h, f, t, s = model.hidden, model.n_ffn, layout.tp, model.seq
-    norm_in = 2 * h / (t if layout.sequence_parallel else 1)
+    split = t if layout.sequence_parallel else 1  # what sequence parallelism shards: the h-wide tensors
+    gated = model.mlp == "swiglu"
+    scores = model.heads * s / t if model.attention == "eager" else 0.0
     if recompute == "full":
-        return act_bytes * norm_in / 2
-    elements = norm_in + 2 * h + (h + 2 * model.kv_dim) / t + h / t + (4 if model.mlp == "swiglu" else 2) * f / t
-    if model.attention == "eager" and recompute != "selective":
-        elements += model.heads * s / t
-    stats = 2 * (2 if model.norm == "layernorm" else 1) * 4
+        return act_bytes * h / split
+    qkv_out = (h + 2 * model.kv_dim) / t + h / t
+    if recompute == "selective":  # block input, matmul/attention outputs; norms and activations replayed
+        return act_bytes * (h / split + qkv_out + 2 * h / split + (2 if gated else 1) * f / t + scores)
+    elements = 4 * h / split + qkv_out + (4 if gated else 2) * f / t + scores
+    stats = 2 * (2 if model.norm == "layernorm" else 1) * 4 / split
     return act_bytes * elements + stats
 
 
 def in_flight_micro_batches(layout: Layout, stage: int) -> float:
     """Micro-batches whose activations `stage` holds at its peak: M under GPipe, min(P - i, M) under 1F1B; under
     interleaved 1F1B with v chunks per rank, ((P - i - 1) * 2 + (v - 1) * P + 1) chunks of 1/v of the stage."""
-    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    p, m, v = layout.pp, layout.micro_batches, layout.v
     if layout.schedule == "gpipe":
         return m
     if v > 1:
@@ -149,10 +167,17 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, act_byt
     return total
 
 
+def gather_bytes(precision: str) -> int:
+    """Bytes per element of ZeRO-2/3's gathered weights: FSDP2 gathers in the compute dtype (bf16 under
+    bf16-mixed, `MixedPrecisionPolicy(param_dtype)`), the stored dtype otherwise."""
+    w, _, _, act = PRECISION_BYTES[precision]
+    return act if precision.endswith("-mixed") else w
+
+
 def buffer_bytes(model: ModelSpec, layout: Layout, weight_bytes: int, act_bytes: int,
                  bucket_size_mb: float = 25.0) -> float:
     """Communication buffers: dp gradient buckets (ZeRO 0/1), FSDP's gathered block (ZeRO 2/3, two in flight
-    with prefetch), pipeline send/receive buffers."""
+    with prefetch, `weight_bytes` each: see `gather_bytes`), pipeline send/receive buffers."""
     out = 0.0
     if layout.dp > 1:
         if layout.zero_stage <= 1:
@@ -165,24 +190,27 @@ def buffer_bytes(model: ModelSpec, layout: Layout, weight_bytes: int, act_bytes:
 
 
 def memory_by_stage(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed",
-                    optimizer: str = "adamw", stages: Optional[Iterable[int]] = None) -> list[StageMemory]:
-    """Bytes per rank of every pipeline stage, or of `stages` (ranks of one stage hold the same)."""
-    w, _, _, act = PRECISION_BYTES[precision]
+                    optimizer: str = "adamw", stages: Optional[Iterable[int]] = None,
+                    accounting: str = "lightning-npu") -> list[StageMemory]:
+    """Bytes per rank of every pipeline stage, or of `stages` (ranks of one stage hold the same); `accounting`
+    as in `model_state_bytes` (another framework's, to check its published runs)."""
+    _, _, _, act = PRECISION_BYTES[precision]
     out = []
     for stage in range(layout.pp) if stages is None else sorted(set(stages)):
         states = model_state_bytes(stage_params(model, layout, stage), layout.dp, layout.zero_stage,
-                                   precision, optimizer, accounting="lightning-npu")
+                                   precision, optimizer, accounting=accounting)
         out.append(StageMemory(stage, states["parameters"], states["gradients"], states["optimizer"],
                                stage_activation_bytes(model, layout, stage, act),
-                               buffer_bytes(model, layout, w, act)))
+                               buffer_bytes(model, layout, gather_bytes(precision), act)))
     return out
 
 
 def peak_memory(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed",
-                optimizer: str = "adamw") -> StageMemory:
+                optimizer: str = "adamw", accounting: str = "lightning-npu") -> StageMemory:
     """The stage whose ranks need the most memory: what must fit on a device. The first stage (most
     micro-batches in flight, the embedding, the most blocks) or the last (the loss's log-probabilities)."""
-    return max(memory_by_stage(model, layout, precision, optimizer, (0, layout.pp - 1)), key=lambda m: m.total)
+    return max(memory_by_stage(model, layout, precision, optimizer, (0, layout.pp - 1), accounting),
+               key=lambda m: m.total)
 
 
 def round_gb(value_bytes: float, digits: int = 1) -> float:

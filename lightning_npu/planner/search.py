@@ -1,5 +1,6 @@
-"""Enumerate tp x pp x dp x ZeRO stage x micro-batches x recomputation (x sequence parallelism), reject the
-layouts that cannot run or do not fit (saying why), and rank the rest by estimated tokens per second."""
+"""Enumerate tp x pp x dp x ZeRO stage x micro-batch size x recomputation (x sequence parallelism, x interleave
+depth v), reject the layouts that cannot run or do not fit (saying why), and rank the rest by estimated tokens
+per second."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any, Optional
 
 from lightning_npu.planner.memory import GB, StageMemory, peak_memory
 from lightning_npu.planner.spec import (
+    ACCOUNTINGS,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
     SCHEDULES,
-    VIRTUAL_STAGES,
     ClusterSpec,
     Layout,
     ModelSpec,
@@ -31,13 +32,13 @@ class Estimate:
     time: StepTime
     tokens_per_s: float
 
-    def to_dict(self, devices: int) -> dict[str, Any]:
+    def to_dict(self, devices: int, peak_tflops: float) -> dict[str, Any]:
         lay = self.layout
         return {
             "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage,
                        "micro_batches": lay.micro_batches, "micro_batch_size": lay.micro_batch_size,
                        "activation_checkpointing": lay.recompute, "sequence_parallel": lay.sequence_parallel,
-                       "pipeline_schedule": lay.schedule},
+                       "pipeline_schedule": lay.schedule, "virtual_stages": lay.v},
             "memory_gb": self.memory.as_gb(),
             "memory_stage": self.memory.stage,
             "step_time_s": self.time.step_s,
@@ -45,7 +46,10 @@ class Estimate:
                                       "pipeline_bubble_p2p": self.time.pipeline_s,
                                       "data_parallel_exposed": self.time.dp_comm_s},
             "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.time.tflops_per_device(devices),
+            "tflops_per_device": self.time.tflops_per_device(devices),  # hardware FLOPs (recomputation included)
+            "model_tflops_per_device": self.time.model_tflops_per_device(devices),
+            "mfu": self.time.mfu(devices, peak_tflops),
+            "hfu": self.time.hfu(devices, peak_tflops),
             "strategy": lay.strategy_init_args(),
         }
 
@@ -57,6 +61,7 @@ class Plan:
     precision: str
     optimizer: str
     ranked: list[Estimate]
+    accounting: str = "lightning-npu"
     rejected: Counter = field(default_factory=Counter)  # reason -> number of layouts
     considered: int = 0
 
@@ -74,8 +79,8 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int,
         return f"tp does not divide the attention heads ({model.heads} query, {model.n_kv_heads} key/value)"
     if tp > model.hidden // 4:
         return "tp > hidden/4 (each rank would hold slivers of every matrix)"
-    if tp > cluster.devices_per_node:
-        return f"tp crosses nodes (tp > devices_per_node={cluster.devices_per_node})"
+    if cluster.devices > cluster.devices_per_node and cluster.devices_per_node % tp:
+        return f"tp straddles nodes (tp does not divide devices_per_node={cluster.devices_per_node})"
     if pp > model.layers:
         return f"pp > layers={model.layers}"
     if model.global_batch % dp:
@@ -85,8 +90,21 @@ def _structural_reason(model: ModelSpec, cluster: ClusterSpec, tp: int, pp: int,
 
 def max_usable_devices(model: ModelSpec, cluster: ClusterSpec) -> int:
     tp = max(d for d in _divisors(model.heads) if model.n_kv_heads % d == 0 and d <= max(1, model.hidden // 4)
-             and d <= cluster.devices_per_node)
+             and cluster.devices_per_node % d == 0)
     return tp * model.layers * model.global_batch
+
+
+def _virtual_stages(model: ModelSpec, pp: int, micro_batches: int, schedule: str,
+                    virtual_stages: Optional[tuple[int, ...]]) -> list[int]:
+    """The interleave depths v to try: 1 unless interleaved; else 2 .. layers // pp (each chunk at least one
+    block) for which torch's ScheduleInterleaved1F1B takes the micro-batches (a multiple of max(1, M // pp))."""
+    if schedule != "interleaved_1f1b" or pp == 1:
+        return [1]
+    rounds = max(1, micro_batches // pp)
+    if micro_batches % rounds:
+        return []
+    candidates = virtual_stages or tuple(range(2, model.layers // pp + 1))
+    return [v for v in candidates if v >= 2 and pp * v <= model.layers]
 
 
 def plan(
@@ -99,14 +117,22 @@ def plan(
     recompute: tuple[Optional[str], ...] = RECOMPUTE,
     sequence_parallel: tuple[bool, ...] = (False, True),
     schedule: str = "1f1b",
+    virtual_stages: Optional[tuple[int, ...]] = None,
+    micro_batch_sizes: Optional[tuple[int, ...]] = None,
     max_micro_batch_size: int = 8,
+    accounting: str = "lightning-npu",
     top: Optional[int] = None,
 ) -> Plan:
     """Rank every layout of `model` on `cluster` by estimated tokens/s.
 
     `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config; `cluster` a
-    `ClusterSpec` or its fields. Layouts that cannot run or do not fit in device memory are counted in
-    ``Plan.rejected`` by reason. Pure arithmetic: nothing is allocated, no process group is created.
+    `ClusterSpec` or its fields. Searched: tp x pp x dp, the ZeRO stages, the micro-batch sizes (the divisors of the
+    per-dp batch up to `max_micro_batch_size`, or `micro_batch_sizes`), the recomputation policies, sequence
+    parallelism and, under ``schedule="interleaved_1f1b"``, the interleave depth v (`virtual_stages`, default every
+    v with at least one block per chunk). `accounting` says whose optimizer memory to assume (ours; ``"paper"``/
+    ``"deepspeed"``; ``"megatron"``: see `model_state_bytes`). Layouts that cannot run or do not fit in device
+    memory are counted in ``Plan.rejected`` by reason. Pure arithmetic: nothing is allocated, no process group is
+    created.
     """
     if isinstance(model, str):
         model = model_from_config(model)
@@ -117,6 +143,7 @@ def plan(
     check_choice("precision", precision, PRECISIONS, error=PlannerError)
     check_choice("optimizer", optimizer, OPTIMIZERS, error=PlannerError)
     check_choice("schedule", schedule, SCHEDULES, error=PlannerError)
+    check_choice("accounting", accounting, ACCOUNTINGS, error=PlannerError)
     for r in recompute:
         check_choice("recompute", r, RECOMPUTE, error=PlannerError)
     for z in zero_stages:
@@ -129,24 +156,30 @@ def plan(
             f"global_batch={model.global_batch}); lower --devices or raise --global-batch."
         )
 
-    result = Plan(model, cluster, precision, optimizer, ranked=[])
-    budget = cluster.usable_bytes
+    result = Plan(model, cluster, precision, optimizer, ranked=[], accounting=accounting)
+    budget = cluster.usable_bytes / cluster.memory_overhead
     tokens = model.global_batch * model.seq
     for tp in _divisors(cluster.devices):
         for pp in _divisors(cluster.devices // tp):
             dp = cluster.devices // (tp * pp)
             reason = _structural_reason(model, cluster, tp, pp, dp)
-            if not reason and schedule == "interleaved_1f1b" and pp > 1 and pp * VIRTUAL_STAGES > model.layers:
-                reason = f"pp x {VIRTUAL_STAGES} interleaved stages > layers={model.layers}"
+            if not reason and schedule == "interleaved_1f1b" and pp > 1 and pp * 2 > model.layers:
+                reason = f"pp x 2 interleaved stages > layers={model.layers}"
             if reason:
                 result.rejected[reason] += 1
                 result.considered += 1
                 continue
             per_dp = model.global_batch // dp
-            for b in [d for d in _divisors(per_dp) if d <= max_micro_batch_size]:
+            sizes = micro_batch_sizes or [d for d in _divisors(per_dp) if d <= max_micro_batch_size]
+            for b in [d for d in sizes if per_dp % d == 0]:
                 m = per_dp // b
                 if pp > 1 and schedule != "gpipe" and m < pp:
                     result.rejected["micro_batches < pp (1F1B needs one per stage)"] += 1
+                    result.considered += 1
+                    continue
+                depths = _virtual_stages(model, pp, m, schedule, virtual_stages)
+                if not depths:
+                    result.rejected["interleaved 1F1B needs micro_batches a multiple of max(1, M // pp)"] += 1
                     result.considered += 1
                     continue
                 for zero in zero_stages:
@@ -156,15 +189,27 @@ def plan(
                         for sp in sequence_parallel:
                             if sp and (tp == 1 or not model.sequence_parallel_ok):
                                 continue
-                            result.considered += 1
-                            layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule)
-                            peak = peak_memory(model, layout, precision, optimizer)
-                            if peak.total > budget:
-                                result.rejected[f"does not fit in {budget / GB:.1f} GB usable per device"] += 1
-                                continue
-                            t = step_time(model, cluster, layout, precision)
-                            result.ranked.append(Estimate(layout, peak, t, tokens / t.step_s))
+                            for v in depths:
+                                result.considered += 1
+                                layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule, v if v > 1 else None)
+                                peak = peak_memory(model, layout, precision, optimizer, accounting)
+                                if peak.total > budget:
+                                    result.rejected[f"does not fit in {cluster.usable_bytes / GB:.1f} GB usable "
+                                                    "per device"] += 1
+                                    continue
+                                t = step_time(model, cluster, layout, precision)
+                                result.ranked.append(Estimate(layout, peak, t, tokens / t.step_s))
     result.ranked.sort(key=lambda e: (-e.tokens_per_s, e.memory.total))
     if top is not None:
         result.ranked = result.ranked[:top]
     return result
+
+
+def distinct_shapes(ranked: list[Estimate]) -> list[tuple[int, int, int]]:
+    """The (tp, pp, dp) shapes of `ranked`, best first, each once: what "among the top 3 shapes" counts."""
+    out: list[tuple[int, int, int]] = []
+    for e in ranked:
+        shape = (e.layout.tp, e.layout.pp, e.layout.dp)
+        if shape not in out:
+            out.append(shape)
+    return out

@@ -21,6 +21,9 @@ MLPS = ("gelu", "swiglu")
 RECOMPUTE = (None, "selective", "full")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 VIRTUAL_STAGES = 2  # stages per rank under interleaved_1f1b (the strategy's default pipeline_layout)
+# how the optimizer and its gradients are held (memory.model_state_bytes): ours, DeepSpeed's (the ZeRO paper's)
+# or Megatron-LM's (its distributed optimizer at stage 1)
+ACCOUNTINGS = ("lightning-npu", "paper", "deepspeed", "megatron")
 
 
 class PlannerError(ValueError):
@@ -113,12 +116,14 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """`devices` accelerators, `devices_per_node` per node, each with `device_memory_gb` (10^9 bytes) and a
-    dense 16-bit peak of `peak_tflops`. Links: `intra_node_GBps` (GB/s per device, e.g. HCCS or NVLink) and
-    `inter_node_Gbps` (Gbit/s per device, e.g. one 200 Gb/s RoCE or InfiniBand NIC per device), each with a
-    per-message latency `latency_us`. `gemm_efficiency` is the fraction of peak that the matrix products
-    reach on one device; `memory_headroom` the fraction of device memory left for the allocator, workspace
-    and fragmentation."""
+    """`devices` accelerators, `devices_per_node` per node, each with `device_memory_gb` (10^9 bytes) and a dense 16-bit
+    peak of `peak_tflops`. Links: `intra_node_GBps` (GB/s per device, e.g. HCCS or NVLink) and `inter_node_Gbps`
+    (Gbit/s per device, e.g. one 200 Gb/s RoCE or InfiniBand NIC per device), with per-hop latencies
+    `intra_latency_us` (NVLink/HCCS: about 2 us) and `latency_us` (between nodes). `gemm_efficiency` is the fraction
+    of peak that the matrix products reach on one device; `memory_headroom` the fraction of device memory left for
+    the allocator, workspace and fragmentation; `memory_GBps` the device memory bandwidth (GB/s), which the
+    element-wise ops that selective recomputation replays are bound by; `memory_overhead` multiplies the estimated
+    bytes per device (1: none; `--calibrate` fits it to a measured run)."""
 
     devices: int
     devices_per_node: int = 8
@@ -129,15 +134,19 @@ class ClusterSpec:
     gemm_efficiency: float = 0.5
     latency_us: float = 10.0
     memory_headroom: float = 0.1
+    memory_GBps: float = 1600.0
+    memory_overhead: float = 1.0
+    intra_latency_us: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("devices", "devices_per_node"):
             check_number(name, getattr(self, name), above=0, integral=True, example=8, error=PlannerError)
-        for name in ("device_memory_gb", "peak_tflops", "intra_node_GBps", "inter_node_Gbps", "gemm_efficiency"):
+        for name in ("device_memory_gb", "peak_tflops", "intra_node_GBps", "inter_node_Gbps", "gemm_efficiency",
+                     "memory_GBps", "memory_overhead"):
             check_number(name, getattr(self, name), above=0, example=8, error=PlannerError)
         if self.gemm_efficiency > 1:
             raise PlannerError(f"`gemm_efficiency={self.gemm_efficiency}` is a fraction of peak: pass e.g. 0.5.")
-        if not (0 <= self.memory_headroom < 1) or not (self.latency_us >= 0):
+        if not (0 <= self.memory_headroom < 1) or not (self.latency_us >= 0 and self.intra_latency_us >= 0):
             raise PlannerError("`memory_headroom` must be in [0, 1) and `latency_us` >= 0, e.g. 0.1 and 10.")
         if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
             raise PlannerError(
@@ -153,7 +162,8 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class Layout:
     """One candidate: tp x pp x dp ranks, a ZeRO stage, `micro_batches` per step per dp rank of
-    `micro_batch_size` sequences, activation recomputation and sequence parallelism."""
+    `micro_batch_size` sequences, activation recomputation and sequence parallelism; under interleaved 1F1B,
+    `virtual_stages` (v) model chunks per rank (None: the strategy's default, 2)."""
 
     tp: int
     pp: int
@@ -164,10 +174,14 @@ class Layout:
     recompute: Optional[str] = None
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    virtual_stages: Optional[int] = None
 
     @property
-    def virtual_stages(self) -> int:
-        return VIRTUAL_STAGES if self.schedule == "interleaved_1f1b" and self.pp > 1 else 1
+    def v(self) -> int:
+        """Model chunks per rank: 1 unless the schedule is interleaved (then `virtual_stages`, default 2)."""
+        if self.schedule != "interleaved_1f1b" or self.pp == 1:
+            return 1
+        return self.virtual_stages or VIRTUAL_STAGES
 
     @property
     def devices(self) -> int:
@@ -177,7 +191,7 @@ class Layout:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"zero{self.zero_stage}",
                  f"M{self.micro_batches}x{self.micro_batch_size}"]
         if self.pp > 1 and self.schedule != "1f1b":
-            parts.append(self.schedule)
+            parts.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute:
