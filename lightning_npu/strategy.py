@@ -76,10 +76,13 @@ class NPUHybridStrategy(DDPStrategy):
 
     Args:
         tensor_parallel_size: ranks that split each layer's weights (DTensor, ``tp`` mesh dim).
-        pipeline_parallel_size: pipeline stages the blocks are split into (``pp`` mesh dim); the
-            LightningModule needs ``pipeline_loss(output, target)``.
+        pipeline_parallel_size: pipeline stages the blocks are split into (``pp`` mesh dim); the last
+            stage's loss is ``pipeline_loss(output, target)``, or the cross-entropy of the logits.
         data_parallel_size: model replicas, each reading its own batches; ``"auto"`` is
             world size // (tp * pp).
+        expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
+            (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
+            number of experts. For now with ``zero_stage=0``, tp = 1 and pp = 1.
         zero_stage: what is sharded over the dp ranks: 0 nothing (replicate), 1 optimizer state,
             2 also gradients, 3 also parameters (FSDP2).
         micro_batches: pipeline micro-batches per optimizer step (pp > 1); ``None`` means one per
@@ -151,6 +154,7 @@ class NPUHybridStrategy(DDPStrategy):
         static_graph: bool = False,
         async_save: bool = False,
         save_distributed_checkpoint: Union[None, bool, Literal["auto"]] = None,
+        expert_parallel_size: int = 1,
     ) -> None:
         ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save,
                                               save_distributed_checkpoint)
@@ -158,6 +162,7 @@ class NPUHybridStrategy(DDPStrategy):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
+            expert_parallel_size=expert_parallel_size,
             zero_stage=zero_stage,
             micro_batches=micro_batches,
             pipeline_schedule=pipeline_schedule,

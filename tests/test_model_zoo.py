@@ -50,6 +50,8 @@ LAYOUTS = {
     "tp2": ({"tensor_parallel_size": 2}, TP_CASES),
     "tp2-sp": ({"tensor_parallel_size": 2, "sequence_parallel": True}, SP_CASES),
     "pp2": ({"pipeline_parallel_size": 2}, {name: Case(name) for name in DECODERS}),
+    # expert parallelism: each MoE layer's experts split over the 2 dp ranks (all-to-all dispatch)
+    "ep2": ({"expert_parallel_size": 2, "zero_stage": 0}, {name: Case(name) for name in MOE}),
     "dp2-zero1": ({"zero_stage": 1}, {name: Case(name) for name in DP_MODELS}),
     "dp2-zero3": ({"zero_stage": 3}, {name: Case(name) for name in DP_MODELS}),
 }
@@ -63,7 +65,8 @@ BF16_LAYOUTS = {
     "dp2-zero3 bf16": ({"zero_stage": 3, **BF16}, {name: Case(name) for name in DECODERS}),
 }
 LAYOUTS.update(BF16_LAYOUTS)
-TITLES = {"tp2": "tp=2", "tp2-sp": "tp=2, sequence parallel", "pp2": "pp=2", "dp2-zero1": "dp=2, ZeRO-1",
+TITLES = {"tp2": "tp=2", "tp2-sp": "tp=2, sequence parallel", "pp2": "pp=2", "ep2": "ep=2 (dp=2, ZeRO-0)",
+          "dp2-zero1": "dp=2, ZeRO-1",
           "dp2-zero3": "dp=2, ZeRO-3", "pp2 bf16": "pp=2, bf16", "tp2-sp bf16": "tp=2 + sp, bf16",
           "dp2-zero3 bf16": "ZeRO-3, bf16"}
 REFUSED = {  # (layout, case) -> what the error must say
@@ -172,11 +175,12 @@ def test_layouts_are_what_they_say(zoo):
     assert "model.model.layers.0.input_layernorm: norm" in sp
     ds = zoo["tp2-sp"][0]["deepseek-v3"]["report"]
     assert "model.model.layers.1.self_attn: full_sequence" in ds and "layers.1.mlp.gate: replicate_sum_grad" in ds
-    # expert tensor parallelism (transformers' moe_tp_experts): each tp rank holds half of every expert
+    # expert tensor parallelism (transformers' moe_tp_experts): each tp rank holds half of every expert; expert
+    # parallelism: each ep rank half of the experts
     for name in MOE:
         assert "mlp.experts: experts" in zoo["tp2"][0][name]["report"], name
         whole = sum(v.numel() for k, v in zoo["reference"][name]["state"].items() if ".experts." in k)
-        for layout in ("tp2", "tp2-sp"):
+        for layout in ("tp2", "tp2-sp", "ep2"):
             assert [zoo[layout][rank][name]["local_experts"] for rank in range(2)] == [whole // 2] * 2, (layout, name)
 
 

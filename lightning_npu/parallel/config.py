@@ -107,6 +107,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: Union[int, str] = "auto"
+    expert_parallel_size: int = 1
     zero_stage: int = 1
     micro_batches: Optional[int] = None
     pipeline_schedule: str = "1f1b"
@@ -130,6 +131,16 @@ class ParallelConfig:
     def validate(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, example=2, error=ParallelConfigError)
         check_int("pipeline_parallel_size", self.pipeline_parallel_size, example=2, error=ParallelConfigError)
+        check_int("expert_parallel_size", self.expert_parallel_size, example=2, error=ParallelConfigError)
+        if self.expert_parallel_size > 1:
+            others = {"zero_stage": (self.zero_stage, 0), "tensor_parallel_size": (self.tensor_parallel_size, 1),
+                      "pipeline_parallel_size": (self.pipeline_parallel_size, 1)}
+            for name, (value, needed) in others.items():
+                if value != needed:
+                    raise ParallelConfigError(
+                        f"`expert_parallel_size={self.expert_parallel_size}` with `{name}={value}`: expert parallelism "
+                        f"runs at {name}={needed} for now (ZeRO 1-3, tp and pp over expert shards are not built yet); "
+                        f"set {name}={needed}, or expert_parallel_size=1 (tp_plan='auto' splits every expert over tp).")
         if self.data_parallel_size != "auto":
             check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
         if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
@@ -288,6 +299,10 @@ class ParallelConfig:
                 f"{tp * pp * dp}, but the world size is {world_size}; set `data_parallel_size="
                 f"{world_size // (tp * pp)}` or 'auto'."
             )
+        if dp % self.expert_parallel_size:
+            raise ParallelConfigError(
+                f"`expert_parallel_size={self.expert_parallel_size}` does not divide the data-parallel size {dp}: the "
+                "ep group is carved from the dp ranks; choose an expert_parallel_size that divides it.")
         self.resolved_dp = dp
         return self
 

@@ -43,6 +43,7 @@ from lightning_npu.parallel.data_parallel.buffers import buffer_broadcast
 from lightning_npu.parallel.data_parallel.compression import Compressor
 from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
 from lightning_npu.parallel.errors import ParallelConfigError
+from lightning_npu.parallel.expert_parallel import dispatch as ep
 from lightning_npu.parallel.pipeline_parallel.runner import PipelineRunner
 from lightning_npu.parallel.recompute import AutoRecompute, apply_activation_checkpointing
 from lightning_npu.parallel.state import module_state
@@ -88,7 +89,12 @@ def parallelize(
     recompute_report = apply_ac(model, cfg.activation_checkpointing)
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
-    wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs, hierarchy)
+    expert_names = apply_ep(model, mesh, cfg.expert_parallel_size)
+    wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs, hierarchy,
+                             expert_names)
+    if expert_names:
+        sync = ep.ExpertGradientSync(sync, [model.get_parameter(n) for n in expert_names],
+                                     module_state(model).expert_mesh, cfg.resolved_dp)
     buffer_sync = buffer_broadcast(model, mesh, uses_ddp=wrapped is not model)
     auto = None
     if cfg.activation_checkpointing == "auto":
@@ -139,9 +145,19 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any,
     return runner
 
 
+def apply_ep(model: nn.Module, mesh: DeviceMesh, ep_size: int) -> list[str]:
+    """Keep this rank's experts of each MoE layer (`expert_parallel.dispatch`); the expert parameters' names."""
+    if ep_size == 1:
+        return []
+    if getattr(module_state(model, create=False), "expert_mesh", None) is None:
+        ep.apply_expert_parallel(model, mesh, ep_size)
+    return ep.expert_parameter_names(model)
+
+
 def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelConfig, precision: Any,
              tp_names: list[str], device_ids: Optional[list[int]],
-             ddp_kwargs: dict[str, Any], hierarchy: Any = None) -> tuple[nn.Module, gs.GradientSync]:
+             ddp_kwargs: dict[str, Any], hierarchy: Any = None,
+             expert_names: Optional[list[str]] = None) -> tuple[nn.Module, gs.GradientSync]:
     """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync."""
     dp_mesh = mesh["dp"]
     if cfg.zero_stage in (2, 3):
@@ -175,11 +191,13 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
                                      overlap=False, compressor=compressor, hierarchy=hierarchy)  # the schedule runs backward per micro-batch
         pipeline.grad_listeners = [buckets.params_ready]  # so reduce per stage, after its last micro-batch backward
         return model, gs.BucketedGradientSync(buckets)
+    if expert_names:  # each rank's own experts: not averaged over dp by DDP (`ExpertGradientSync` reduces them)
+        model._ddp_params_and_buffers_to_ignore = list(expert_names)
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
-    if tp_names:
+    if tp_names or expert_names:
         # DDP has taken every parameter (tp shards are averaged over dp too); from now on Lightning's whole-world
-        # state broadcast (before validate/test) must skip the tp shards, which differ between tp ranks by design
-        model._ddp_params_and_buffers_to_ignore = tp_names
+        # state broadcast (before validate/test) must skip the tp shards and experts, which differ between ranks
+        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ())
     return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor,
                                       hierarchy=hierarchy)
 

@@ -20,6 +20,8 @@ class ModuleState:
     local_params: Optional[dict[str, torch.nn.Parameter]] = None  # a tp module: its plain local shards (`shards`)
     fp32_stack: list = field(default_factory=list)  # an fp32 island: the autocast states its hooks restore
     fp32_island: bool = False  # an fp32 island's hooks are installed
+    experts: Any = None  # an experts module under expert parallelism: its `dispatch.ExpertShard`
+    expert_mesh: Any = None  # the model under expert parallelism: the (rest, edp, ep) mesh (`dispatch`)
 
 
 @dataclass
