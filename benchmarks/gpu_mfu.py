@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from benchmarks._common import environment, median  # noqa: E402
 from lightning_npu import device as dev  # noqa: E402
 
@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"{e['peak_allocated_gib']:9.2f}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"gpu_mfu_{acc}.json"
-    path.write_text(json.dumps(result, indent=2))
+    _env.write_json(path, result)
     print("wrote", path)
     return result
 
