@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-import torch
 
 import lightning_npu  # noqa: F401  (registers npu_hybrid)
+from benchmarks import _env
+from benchmarks._env import metadata
 from lightning_npu import device as dev
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -80,18 +78,10 @@ def median(xs: list[float]) -> float:
 
 
 def environment() -> dict[str, Any]:
-    return {
-        "torch": torch.__version__,
-        "lightning": L.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-    }
+    """`benchmarks._env.metadata`: date, commit, CPU model, threads, load average and versions."""
+    return metadata()
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
-    path.write_text(json.dumps(payload, indent=2))
-    return path
+    """``benchmarks/results/<name>``, stamped with `environment()` (`benchmarks._env.write_json`)."""
+    return _env.write_json(RESULTS / name, payload)

@@ -10,7 +10,6 @@ Writes ``benchmarks/results/attention_<device>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from benchmarks._common import environment, median  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from lightning_npu import device as dev  # noqa: E402
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     print(f"{device} T={args.seq}: SDPA {result['step_ms']['sdpa']:.1f} ms, explicit {result['step_ms']['explicit']:.1f} ms "
           f"per step ({result['sdpa_speedup']:.2f}x); max loss difference {result['max_loss_diff']:.2e}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"attention_{device.type}.json").write_text(json.dumps(result, indent=2))
+    _env.write_json(Path(args.out) / f"attention_{device.type}.json", result)
     return result
 
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from examples.gpt.data import TextDataModule  # noqa: E402
 from examples.gpt.model import GPTModule  # noqa: E402
 from lightning_npu import device as dev  # noqa: E402
@@ -208,7 +209,7 @@ def main() -> None:
             for k, v in blocking.items()
         }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    _env.write_json(out, result, indent=1)
     print(json.dumps(summary, indent=1))
 
 

@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from benchmarks._common import environment  # noqa: E402
 
 MODEL = dict(n_layer=2, n_head=4, n_embd=128, block_size=64, vocab_size=256, bias=False, learning_rate=3e-3,
@@ -219,7 +220,7 @@ def torchrun_worker(spec_json: str) -> None:
     spec = json.loads(spec_json)
     result = worker(spec["arms"], spec["steps"], devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=2,
                     model_kwargs=spec["model"])
-    Path(f"{spec['out']}.{os.environ['RANK']}").write_text(json.dumps(result))
+    Path(f"{spec['out']}.{os.environ['RANK']}").write_text(json.dumps(result))  # per-rank scratch, merged by the parent
     sys.stdout.flush()
     os._exit(0)  # as `launch.spawn`: skip gloo's process-group teardown at exit
 
@@ -306,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                  "reduce_scatter (w-1)/w times the payload",
                    "exposed_comm_ms": "step_ms - compute_only step_ms (same launch, reduce_bucket a local no-op)"},
                "environment": environment(), "wall_s": time.perf_counter() - started, "results": results}
-    out.write_text(json.dumps(payload, indent=2))
+    _env.write_json(out, payload)
     print(f"wrote {out} and {plot} ({time.perf_counter() - started:.0f} s)")
     print("note: on 2 CPU cores the compressed modes need not be faster; the bytes are the number that carries over.")
     return payload

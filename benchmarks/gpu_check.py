@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from benchmarks._common import environment, median, run_gpt  # noqa: E402
 from lightning_npu import device as dev  # noqa: E402
 
@@ -37,9 +38,8 @@ def check_device() -> dict:
 
 
 def check_training(acc: str, model: dict, batch: int, steps: int) -> dict:
-    from lightning_npu import NPUHybridStrategy
-
     from examples.gpt.model import GPT, GPTConfig
+    from lightning_npu import NPUHybridStrategy
 
     n_params = sum(p.numel() for p in GPT(GPTConfig(**{k: model[k] for k in ("n_layer", "n_head", "n_embd",
                                                                               "block_size")})).parameters())
@@ -88,9 +88,8 @@ def check_precision(acc: str) -> dict:
 
 
 def check_rewrite(acc: str) -> dict:
-    from lightning_npu.ops import rewrite_modules
-
     from examples.gpt.model import GPT, GPTConfig
+    from lightning_npu.ops import rewrite_modules
 
     torch.manual_seed(0)
     ref = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64)).to(acc)
@@ -128,7 +127,7 @@ def main() -> None:
         print(name, json.dumps(result[name], indent=1)[:3000], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"gpu_check_{acc}.json"
-    path.write_text(json.dumps(result, indent=2))
+    _env.write_json(path, result)
     print("wrote", path)
 
 

@@ -13,7 +13,8 @@ builds the same `transformers` `LlamaForCausalLM` from the same seed on the devi
 MFU = tokens/s x FLOPs per token / the device's dense bf16 peak. FLOPs per token = 6 N, N counting
 every parameter a matmul touches (all but the input embedding), plus attention's 12 L d T (scores
 and values, forward and backward, the full T x T as Megatron and PaLM count it). The peak comes from
-`PEAK_BF16_FLOPS` or ``--peak-tflops``; on a device without one, MFU is left out, not guessed.
+``--peak-tflops``, Lightning's `get_available_flops` (the table behind its `ThroughputMonitor`), or `PEAK_BF16_FLOPS`
+for the names that table misses; on a device without one, MFU is left out, not guessed.
 Writes ``benchmarks/results/gpu_mfu_<device>.json``.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 import traceback
@@ -35,11 +35,28 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from benchmarks._common import environment, median  # noqa: E402
 from lightning_npu import device as dev  # noqa: E402
 
-# dense bf16 peaks from the vendors' datasheets (no sparsity)
+# dense bf16 peaks from the vendors' datasheets (no sparsity), for the names Lightning's table misses: its
+# `get_available_flops` returns None for "NVIDIA H200", the name torch reports for an H200 SXM (it expects "h200 sxm1")
 PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+
+
+def _available_flops(acc: str, name: str) -> Optional[float]:
+    """Lightning's `get_available_flops` (ThroughputMonitor's peak table) where it knows the device, else ours."""
+    if acc == "cuda":
+        import warnings
+
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "FLOPs not found for ...": answered by our table below
+            peak = get_available_flops(torch.device("cuda", 0), torch.bfloat16)
+        if peak:
+            return float(peak)
+    return PEAK_BF16_FLOPS.get(name)
 
 MODELS = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -192,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     steps = args.steps or (2 if args.tiny else 12)
     fused = acc != "cpu"
     name = torch.cuda.get_device_name(0) if acc == "cuda" else acc
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else PEAK_BF16_FLOPS.get(name)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else _available_flops(acc, name)
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -252,7 +269,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               f"{e['peak_allocated_gib']:9.2f}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"gpu_mfu_{acc}.json"
-    path.write_text(json.dumps(result, indent=2))
+    _env.write_json(path, result)
     print("wrote", path)
     return result
 

@@ -11,7 +11,6 @@ recompute and no monitor (``MemoryMonitor(activations=False)`` gives the activat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from examples.gpt.data import TextDataModule  # noqa: E402
 from examples.gpt.model import GPTModule  # noqa: E402
 from lightning_npu import NPUHybridStrategy  # noqa: E402
@@ -102,7 +102,7 @@ def main() -> None:
               + (f"  saved {row['activations_mib']:7.2f} MiB  x{row['activations_ratio_vs_none']:.3f}"
                  if "activations_mib" in row else ""))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), "results": results}, indent=2))
+    _env.write_json(args.out, {"config": vars(args), "results": results})
     print(f"wrote {args.out}")
 
 

@@ -24,7 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_npu.ops import extension, functional as fx, reference as ref  # noqa: E402
+from benchmarks import _env  # noqa: E402
+from lightning_npu.ops import extension  # noqa: E402
+from lightning_npu.ops import functional as fx
+from lightning_npu.ops import reference as ref
 
 
 def fwd_bwd(op, leaves, make_inputs):
@@ -190,8 +193,7 @@ def main() -> None:
         "ops": ops,
         "end_to_end": e2e,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    _env.write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

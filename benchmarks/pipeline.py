@@ -29,7 +29,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
-import torch  # noqa: E402
 
 from benchmarks._common import environment, median, run_gpt, write_json  # noqa: E402
 from lightning_npu.launch import spawn  # noqa: E402

@@ -96,10 +96,9 @@ def main() -> None:
     if path is None:
         path = write_json("precision.json", payload)
     else:
-        import json
+        from benchmarks import _env
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2))
+        _env.write_json(path, payload)
     print(f"wrote {path}")
 
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks import _env  # noqa: E402
 from benchmarks._common import environment, median, write_json  # noqa: E402
 from lightning_npu.launch import spawn  # noqa: E402
 
@@ -104,11 +105,7 @@ def main(argv: Any = None) -> dict[str, Any]:
     payload = {"benchmark": "tp_storage", "model": MODEL, "batch": BATCH, "tp": TP, "steps": args.steps,
                "warmup": args.warmup, "repeats": args.repeats, "environment": environment(),
                "results": results, "summary": summary}
-    path = write_json(args.out, payload) if "/" not in args.out else Path(args.out)
-    if "/" in args.out:
-        import json
-
-        path.write_text(json.dumps(payload, indent=2))
+    path = write_json(args.out, payload) if "/" not in args.out else _env.write_json(args.out, payload)
     print(f"wrote {path}")
     for storage, r in results.items():
         print(f"{storage:8s} fwd+bwd {r['fwd_bwd_ms_median']:7.1f} ms  step {r['optimizer_step_ms_median']:6.1f} ms  "

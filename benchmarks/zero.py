@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import _env  # noqa: E402
+
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False, learning_rate=1e-3, eps=1e-5)
 PER_RANK_BATCH = 4
 
@@ -140,8 +142,7 @@ def main() -> None:
                   "cpus": os.cpu_count()},
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    _env.write_json(args.out, out, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -35,6 +35,7 @@ class StepSeeded(L.LightningModule):
         kill_flag: Optional[str] = None,
         lr_schedule: bool = False,
         none_at: tuple[int, ...] = (),
+        blowup_at: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -46,6 +47,7 @@ class StepSeeded(L.LightningModule):
         self.kill_at, self.kill_rank, self.kill_flag = kill_at, kill_rank, kill_flag
         self.lr_schedule = lr_schedule
         self.none_at = set(none_at)
+        self.blowup_at = set(blowup_at)  # steps whose gradients are multiplied by 1e3 (a diverging step, finite)
         self.losses: dict[int, float] = {}
         self.param_log: dict[int, torch.Tensor] = {}
 
@@ -76,6 +78,10 @@ class StepSeeded(L.LightningModule):
 
     def on_after_backward(self) -> None:
         step = self.global_step
+        if step in self.blowup_at:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1e3)
         poisoned = step in self.nan_at or (self.nan_from is not None and step >= self.nan_from)
         if poisoned and self.global_rank in self.nan_ranks:
             # the gradient the optimizer steps with: the model's (DDP), or its reduced slice (npu_hybrid ZeRO-1)

@@ -168,8 +168,8 @@ class StepRecorder(LossRecorder):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._norms is not None:  # this micro-batch stepped the optimizer
             metrics = trainer.callback_metrics
-            row = {k: float(metrics[k]) for k in ("health/grad_norm", "health/loss", "train_loss", "grad_norm")
-                   if k in metrics}
+            row = {k.removeprefix("npu/"): float(metrics[k])
+                   for k in ("health/grad_norm", "health/loss", "train_loss", "npu/grad_norm") if k in metrics}
             self.rows.append({**row, **self._norms})
             self._norms = None
 

@@ -15,13 +15,13 @@ PP_GPT = {**SMALL_GPT, "n_layer": 4}
 
 
 class GradNormRecorder(L.Callback):
-    """The global gradient norm HybridPrecision computed for clipping (logged as grad_norm), every step."""
+    """The global gradient norm HybridPrecision computed for clipping (logged as npu/grad_norm), every step."""
 
     def __init__(self) -> None:
         self.norms: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        norm = trainer.callback_metrics.get("grad_norm")
+        norm = trainer.callback_metrics.get("npu/grad_norm")
         if norm is not None:
             self.norms.append(float(norm))
 

@@ -63,7 +63,7 @@ class Recorder(L.Callback):
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
         }
         for key in ("loss_scale", "skipped_steps", "grad_norm"):
-            row[key] = float(m[key]) if key in m else None
+            row[key] = float(m[f"npu/{key}"]) if f"npu/{key}" in m else None
         if trainer.lr_scheduler_configs:
             row["sched_last_epoch"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
         if self.snapshot_params:

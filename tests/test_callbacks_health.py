@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_npu.callbacks import DynamicCheckpoint, GradientHealthGuard
+from lightning_npu.precision import hybrid
 from tests._callbacks_helpers import StepSeeded, flat_params, trainer_kwargs
 
 
@@ -118,3 +119,78 @@ def test_actions_are_always_logged_and_counted_in_the_summary(tmp_path, caplog):
 def test_bad_arguments_name_argument_and_value(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         GradientHealthGuard(**kwargs)
+
+
+def test_default_bands_are_quiet_on_healthy_runs_and_fire_on_a_gradient_blowup(tmp_path, caplog):
+    """Relative bands: each statistic against its own running mean, after a warm-up. Quiet on the helper model and
+    on Lightning's BoringModel (which sat outside the old absolute grad_norm/grad_variance/update_ratio bands from
+    step 0: 16 warnings in 10 steps), and a finite x1000 gradient at step 15 is flagged, at that step (and the update it made)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    guard = GradientHealthGuard()
+    trainer = L.Trainer(callbacks=[guard], **trainer_kwargs(tmp_path / "boring", 10, log_every_n_steps=1))
+    trainer.fit(BoringModel())
+    assert guard.events == [] and guard.summary() == ""
+
+    guard = GradientHealthGuard()
+    _fit(tmp_path / "quiet", 30, [guard], lr_schedule=True)
+    assert guard.events == [] and guard.warnings == 0
+
+    guard = GradientHealthGuard()
+    with caplog.at_level(logging.WARNING, logger="lightning_npu.callbacks.health"):
+        _fit(tmp_path / "blowup", 30, [guard], blowup_at=(15,))
+    # the step's gradients, then the weights it moved by 11% (and Adam's momentum by 10% the next step)
+    assert [(e["step"], e["action"], e["checks"]) for e in guard.events] == [
+        (15, "warn", ["grad_norm_spike", "grad_variance_spike"]), (15, "warn", ["update_ratio"]),
+        (16, "warn", ["update_ratio"])]
+    assert "step 15: grad_norm=" in caplog.text and "grad_norm_spike expected <= 10.0 x running mean" in caplog.text
+
+
+class _Rows(L.pytorch.loggers.Logger):
+    """What a CSV/TensorBoard logger receives: one dict per written step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    name, version = "rows", 0
+
+    @property
+    def experiment(self):
+        return None
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.setdefault(step, {}).update(metrics)
+
+
+class _LoggedLoss(StepSeeded):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_logged_row_holds_that_steps_numbers_under_npu_hybrid(tmp_path, monkeypatch):
+    """metrics.csv showed step 0's health/grad_norm (8.43) and health/loss (5.59) in step 9's row beside that
+    step's grad_norm (2.67) and train_loss (4.00): the guard logged on other steps than the loggers wrote. Now every
+    written row's health/* are that step's, health/grad_norm is the precision plugin's npu/grad_norm (pre-clip,
+    unscaled), and the plugin's names are namespaced (the bare ones kept this release)."""
+    rows = _Rows()
+    model = _LoggedLoss()
+    trainer = L.Trainer(callbacks=[GradientHealthGuard()], strategy="npu_hybrid", gradient_clip_val=0.01,
+                        **trainer_kwargs(tmp_path, 9, log_every_n_steps=3, logger=rows))
+    monkeypatch.setattr(hybrid, "_legacy_warned", False)
+    with pytest.warns(DeprecationWarning, match="npu/grad_norm") as record:
+        trainer.fit(model)
+    assert len([w for w in record if "bare names" in str(w.message)]) == 1  # once, not per step
+    assert sorted(rows.rows) == [2, 5, 8]
+    for step, row in rows.rows.items():
+        assert row["health/loss"] == pytest.approx(model.losses[step], rel=1e-6) == row["train_loss"]
+        assert row["health/grad_norm"] == pytest.approx(row["npu/grad_norm"], rel=1e-6)
+        assert row["npu/grad_norm"] > 0.01  # the pre-clip norm: clipping was active
+        before, after = model.param_log[step], model.param_log.get(step + 1, flat_params(model))
+        assert row["health/update_ratio"] == pytest.approx(((after - before).norm() / before.norm()).item(), rel=1e-5)
+        assert row["grad_norm"] == row["npu/grad_norm"]  # deprecated bare name, this release only

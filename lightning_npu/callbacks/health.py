@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 ACTIONS = {"ignore": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
 _NAMES = {v: k for k, v in ACTIONS.items()}
-CHECKS = ("nonfinite", "grad_norm", "loss", "grad_variance", "loss_spike", "update_ratio")
+CHECKS = ("nonfinite", "grad_norm", "loss", "grad_variance", "loss_spike", "update_ratio", "grad_norm_spike",
+          "grad_variance_spike")
 
 
 _OWNER = "GradientHealthGuard"
@@ -58,46 +59,60 @@ def _power_of_ten(x: float) -> bool:
 class GradientHealthGuard(Callback):
     """Per-step gradient and loss health checks with warn / skip / rollback / stop actions.
 
-    Ranges are ``(low, high)`` or ``None`` to disable a check. Actions: ``"ignore"``, ``"warn"``,
+    Two kinds of band. Relative (the defaults): the loss, the gradient norm and the gradient variance are flagged
+    when they exceed ``*_spike_factor`` times their own running mean (an EMA, decay ``loss_ema_decay``), after
+    ``warmup_steps`` good steps; a model of any size is measured against itself. Absolute: ranges are
+    ``(low, high)`` or ``None`` to disable a check (only ``loss_range`` is on by default: no model's size or init
+    makes a loss above 1e4 healthy). Actions: ``"ignore"``, ``"warn"``,
     ``"skip"`` (drop this optimizer step), ``"rollback"`` (reload weights and optimizer state from the
     newest complete checkpoint, LR times ``rollback_lr_factor``), ``"stop"`` (end training after
     skipping this step). ``escalate_after`` consecutive skipped steps become a rollback, and more
     than ``max_rollbacks`` rollbacks become a stop, so persistent NaN cannot loop forever.
-    The update ratio |dw|/|w| is measured every ``update_ratio_every`` steps (it needs a copy of the
-    weights) and flagged when it is more than ``update_ratio_tolerance`` times off ``update_ratio_target``;
-    it is known only after the step, so ``"skip"`` is not accepted for it.
+    The update ratio |dw|/|w| is measured on the steps whose ``(step + 1)`` is a multiple of ``update_ratio_every``
+    (default: the Trainer's ``log_every_n_steps``, so that every row the loggers write holds that step's ratio; it
+    needs a copy of the weights) and flagged, after the warm-up, when it is more than ``update_ratio_tolerance``
+    times off ``update_ratio_target`` (1e-3, the usual rule of thumb: Adam moves each weight by about lr, so the
+    ratio is about lr / rms(w)); it is known only after the step, so ``"skip"`` is not accepted for it.
+
+    Every statistic is logged on every step it is computed (``health/grad_norm``, ``health/grad_variance``,
+    ``health/loss``; ``health/update_ratio`` when measured), so a logged row holds that step's numbers: ``health/loss``
+    is the row's ``train_loss`` and ``health/grad_norm`` is the precision plugin's ``npu/grad_norm`` (both the
+    pre-clip norm of the unscaled gradients, from one shared computation).
 
     Warnings are rate-limited per check: the first ``max_warnings`` of each check are logged in full,
     later ones only at 10x, 100x, ... that number, and the end of training logs how often each check
-    fired (first and last step). The default bands come from LLM pretraining, and a small model can sit
-    outside one of them on every step: one line per check then says so without flooding the log.
+    fired (first and last step). An absolute band a model sits outside on every step then costs one line per
+    check, not a flood.
     Skips, rollbacks and stops are always logged.
     """
 
     def __init__(
         self,
         nonfinite_action: str = "skip",
-        grad_norm_range: Optional[Sequence[float]] = (1e-3, 1e1),
+        grad_norm_range: Optional[Sequence[float]] = None,
         grad_norm_action: str = "warn",
         loss_range: Optional[Sequence[float]] = (0.0, 1e4),
         loss_action: str = "warn",
-        grad_variance_range: Optional[Sequence[float]] = (1e-6, 1e-3),
+        grad_variance_range: Optional[Sequence[float]] = None,
         grad_variance_action: str = "warn",
         loss_spike_factor: Optional[float] = 10.0,
         loss_spike_action: str = "warn",
-        loss_spike_warmup: int = 10,
+        loss_spike_warmup: Optional[int] = None,
         loss_ema_decay: float = 0.98,
-        update_ratio_target: Optional[float] = 1e-5,
+        update_ratio_target: Optional[float] = 1e-3,
         update_ratio_tolerance: float = 100.0,
         update_ratio_action: str = "warn",
-        update_ratio_every: int = 50,
+        update_ratio_every: Optional[int] = None,
         escalate_after: Optional[int] = 3,
         max_rollbacks: int = 2,
         rollback_lr_factor: Optional[float] = 0.5,
         checkpoint_dir: Optional[str] = None,
         max_warnings: int = 3,
+        grad_norm_spike_factor: Optional[float] = 10.0,
+        grad_variance_spike_factor: Optional[float] = 100.0,
+        warmup_steps: int = 10,
     ) -> None:
-        self.severity = {
+        severity = {
             "nonfinite": _action("nonfinite_action", nonfinite_action),
             "grad_norm": _action("grad_norm_action", grad_norm_action),
             "loss": _action("loss_action", loss_action),
@@ -107,6 +122,9 @@ class GradientHealthGuard(Callback):
                 "update_ratio_action", update_ratio_action, ("ignore", "warn", "rollback", "stop")
             ),
         }
+        # the relative bands act as their absolute check's action says
+        severity["grad_norm_spike"], severity["grad_variance_spike"] = severity["grad_norm"], severity["grad_variance"]
+        self.severity = severity
         self.grad_norm_range = _range("grad_norm_range", grad_norm_range)
         self.loss_range = _range("loss_range", loss_range)
         self.grad_variance_range = _range("grad_variance_range", grad_variance_range)
@@ -118,8 +136,13 @@ class GradientHealthGuard(Callback):
                                            allow_none=True, owner=o)
         update_ratio_tolerance = check_number("update_ratio_tolerance", update_ratio_tolerance, above=1.0,
                                               example=100.0, owner=o)
-        check_int("update_ratio_every", update_ratio_every, minimum=1, example=50, owner=o)
-        check_int("loss_spike_warmup", loss_spike_warmup, minimum=0, example=10, owner=o)
+        check_int("update_ratio_every", update_ratio_every, minimum=1, example=50, allow_none=True, owner=o)
+        check_int("loss_spike_warmup", loss_spike_warmup, minimum=0, example=10, allow_none=True, owner=o)
+        check_int("warmup_steps", warmup_steps, minimum=0, example=10, owner=o)
+        grad_norm_spike_factor = check_number("grad_norm_spike_factor", grad_norm_spike_factor, above=1.0,
+                                              example=10.0, allow_none=True, owner=o)
+        grad_variance_spike_factor = check_number("grad_variance_spike_factor", grad_variance_spike_factor,
+                                                  above=1.0, example=100.0, allow_none=True, owner=o)
         check_int("escalate_after", escalate_after, minimum=1, example=3, allow_none=True, owner=o)
         check_int("max_rollbacks", max_rollbacks, minimum=0, example=2, owner=o)
         check_int("max_warnings", max_warnings, minimum=0, example=3, owner=o)
@@ -127,7 +150,10 @@ class GradientHealthGuard(Callback):
                                           example=0.5, allow_none=True, owner=o)
         checkpoint_dir = check_path("checkpoint_dir", checkpoint_dir, owner=o)
         self.loss_spike_factor = loss_spike_factor
-        self.loss_spike_warmup = loss_spike_warmup
+        self.grad_norm_spike_factor = grad_norm_spike_factor
+        self.grad_variance_spike_factor = grad_variance_spike_factor
+        # `loss_spike_warmup`: the name from when only the loss had a relative band
+        self.warmup_steps = warmup_steps if loss_spike_warmup is None else loss_spike_warmup
         self.loss_ema_decay = loss_ema_decay
         self.update_ratio_target = update_ratio_target
         self.update_ratio_tolerance = update_ratio_tolerance
@@ -139,6 +165,8 @@ class GradientHealthGuard(Callback):
         self.max_warnings = max_warnings
         # state (saved in checkpoints so that a resumed run judges spikes the same way)
         self.loss_ema: Optional[float] = None
+        self.grad_norm_ema: Optional[float] = None
+        self.grad_variance_ema: Optional[float] = None
         self.good_steps = 0
         self.skipped_steps = 0
         self.rollbacks = 0
@@ -149,7 +177,7 @@ class GradientHealthGuard(Callback):
         self.stop_reason: Optional[str] = None
         self.events: list[dict[str, Any]] = []
         self._losses: list[torch.Tensor] = []
-        self._before: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+        self._before: Optional[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = None
 
     # ---- hooks --------------------------------------------------------------------------
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
@@ -172,34 +200,36 @@ class GradientHealthGuard(Callback):
         ])
         severity = int(agreed[0])
         flagged = [c for c, f in zip(CHECKS, agreed[1:]) if f > 0]
-        if flags or trainer.global_step % max(1, trainer.log_every_n_steps) == 0:  # loggers write at this cadence anyway
-            self._log(pl_module, {"health/grad_norm": grad_norm, "health/grad_variance": grad_var, "health/loss": loss_value})
+        # every step: Lightning keeps a step metric's last value in the rows it writes later, so logging only some
+        # steps put step 0's numbers into step 9's row beside that step's train_loss
+        self._log(pl_module, {"health/grad_norm": grad_norm, "health/grad_variance": grad_var, "health/loss": loss_value})
         self._act(trainer, pl_module, optimizer, params, severity, flagged,
                   {"grad_norm": grad_norm, "grad_variance": grad_var, "loss": loss_value})
         if severity < ACTIONS["skip"]:
             if math.isfinite(loss_value):
-                d = self.loss_ema_decay
-                self.loss_ema = loss_value if self.loss_ema is None else d * self.loss_ema + (1 - d) * loss_value
+                self.loss_ema = self._ema(self.loss_ema, loss_value)
                 self.good_steps += 1
+            self.grad_norm_ema = self._ema(self.grad_norm_ema, grad_norm)
+            self.grad_variance_ema = self._ema(self.grad_variance_ema, grad_var)
             if self._ratio_due(trainer):
-                self._before = (params, [p.detach().clone() for p in params])
+                self._before = (trainer.global_step, params, [p.detach().clone() for p in params])
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._before is None:
             return
-        params, before = self._before
+        step, params, before = self._before
         self._before = None
         w, d = params_norm_and_delta(pl_module, params, before)
         ratio = d / w if w > 0 else float("inf")
         self._log(pl_module, {"health/update_ratio": ratio})
-        off = self.update_ratio_target is not None and not (
+        off = self.update_ratio_target is not None and self.good_steps > self.warmup_steps and not (
             self.update_ratio_target / self.update_ratio_tolerance <= ratio <= self.update_ratio_target * self.update_ratio_tolerance
         )
         severity = int(agree_max(trainer, [self.severity["update_ratio"] if off else 0])[0])
         if severity >= ACTIONS["rollback"]:
-            self._act(trainer, pl_module, None, [], severity, ["update_ratio"], {"update_ratio": ratio})
+            self._act(trainer, pl_module, None, [], severity, ["update_ratio"], {"update_ratio": ratio}, step)
         elif severity == ACTIONS["warn"]:
-            self._warn(trainer, ["update_ratio"], {"update_ratio": ratio})
+            self._warn(trainer, ["update_ratio"], {"update_ratio": ratio}, step)
 
     def _step_loss(self, trainer: Any, pl_module: Any) -> torch.Tensor:
         """The step's training loss averaged over the data-parallel replicas (what `train_loss` logs with
@@ -209,12 +239,18 @@ class GradientHealthGuard(Callback):
         loss = losses.sum() if pl_module.automatic_optimization else losses.mean()
         return trainer.strategy.reduce(loss, reduce_op="mean") if trainer.world_size > 1 else loss
 
+    def _ema(self, ema: Optional[float], value: float) -> float:
+        d = self.loss_ema_decay
+        return value if ema is None else d * ema + (1 - d) * value
+
     # ---- decisions ----------------------------------------------------------------------
     def _ratio_due(self, trainer: Any) -> bool:
+        """On the steps Lightning's loggers write (``(step + 1) % log_every_n_steps == 0``) unless told otherwise."""
+        every = self.update_ratio_every or trainer.log_every_n_steps or 50
         return (
             self.update_ratio_target is not None
             and self.severity["update_ratio"] > 0
-            and trainer.global_step % self.update_ratio_every == 0
+            and (trainer.global_step + 1) % every == 0
         )
 
     def _flags(self, grad_norm: float, grad_var: float, loss: float, have_loss: bool) -> list[str]:
@@ -229,24 +265,27 @@ class GradientHealthGuard(Callback):
             flags.append("loss")
         if self.grad_variance_range and not self.grad_variance_range[0] <= grad_var <= self.grad_variance_range[1]:
             flags.append("grad_variance")
-        if (
-            self.loss_spike_factor is not None
-            and self.loss_ema is not None
-            and self.good_steps >= self.loss_spike_warmup
-            and loss > self.loss_spike_factor * self.loss_ema
-        ):
-            flags.append("loss_spike")
+        if self.good_steps >= self.warmup_steps:
+            for check, factor, value, ema in (
+                ("loss_spike", self.loss_spike_factor, loss, self.loss_ema),
+                ("grad_norm_spike", self.grad_norm_spike_factor, grad_norm, self.grad_norm_ema),
+                ("grad_variance_spike", self.grad_variance_spike_factor, grad_var, self.grad_variance_ema),
+            ):
+                if factor is not None and ema is not None and value > factor * ema:
+                    flags.append(check)
         return flags
 
     def _act(
-        self, trainer: Any, pl_module: Any, optimizer: Any, params: list, severity: int, flagged: list[str], values: dict
+        self, trainer: Any, pl_module: Any, optimizer: Any, params: list, severity: int, flagged: list[str], values: dict,
+        step: Optional[int] = None,
     ) -> None:
+        step = trainer.global_step if step is None else step
         if severity == 0:
             self.consecutive_bad = 0
             return
         if severity == ACTIONS["warn"]:
             self.consecutive_bad = 0
-            self._warn(trainer, flagged, values)
+            self._warn(trainer, flagged, values, step)
             return
         if severity == ACTIONS["skip"]:
             self.consecutive_bad += 1
@@ -258,9 +297,9 @@ class GradientHealthGuard(Callback):
             else:
                 self.rollbacks += 1
                 self.consecutive_bad = 0
-        self._count(trainer, flagged)
-        reason = f"{', '.join(flagged)} at step {trainer.global_step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        self.events.append({"step": trainer.global_step, "action": _NAMES[severity], "checks": flagged, **values})
+        self._count(step, flagged)
+        reason = f"{', '.join(flagged)} at step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        self.events.append({"step": step, "action": _NAMES[severity], "checks": flagged, **values})
         self._drop_step(params)
         if severity == ACTIONS["skip"]:
             self.skipped_steps += 1
@@ -327,16 +366,16 @@ class GradientHealthGuard(Callback):
                  for c, (n, first, last) in self.fired.items()]
         return f"GradientHealthGuard summary: {'; '.join(parts)}." if parts else ""
 
-    def _count(self, trainer: Any, flagged: list[str]) -> None:
-        step = trainer.global_step
+    def _count(self, step: int, flagged: list[str]) -> None:
         for check in flagged:
             entry = self.fired.setdefault(check, [0, step, step])
             entry[0] += 1
             entry[2] = step
 
-    def _warn(self, trainer: Any, flagged: list[str], values: dict) -> None:
-        self.events.append({"step": trainer.global_step, "action": "warn", "checks": flagged, **values})
-        self._count(trainer, flagged)
+    def _warn(self, trainer: Any, flagged: list[str], values: dict, step: Optional[int] = None) -> None:
+        step = trainer.global_step if step is None else step
+        self.events.append({"step": step, "action": "warn", "checks": flagged, **values})
+        self._count(step, flagged)
         counts = {c: self.fired[c][0] for c in flagged}
         limit = self.max_warnings
         if all(n > limit for n in counts.values()):
@@ -353,12 +392,14 @@ class GradientHealthGuard(Callback):
             "grad_norm": self.grad_norm_range,
             "loss": self.loss_range,
             "grad_variance": self.grad_variance_range,
-            "loss_spike": f"<= {self.loss_spike_factor} x running mean {self.loss_ema}",
+            "loss_spike": f"<= {self.loss_spike_factor} x running mean {_g(self.loss_ema)}",
+            "grad_norm_spike": f"<= {self.grad_norm_spike_factor} x running mean {_g(self.grad_norm_ema)}",
+            "grad_variance_spike": f"<= {self.grad_variance_spike_factor} x running mean {_g(self.grad_variance_ema)}",
             "update_ratio": f"{self.update_ratio_target} within x{self.update_ratio_tolerance}",
         }
         detail = "; ".join(f"{c} expected {ranges.get(c)}" for c in flagged)
         values_s = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-        message = f"GradientHealthGuard: step {trainer.global_step}: {values_s} ({detail})."
+        message = f"GradientHealthGuard: step {step}: {values_s} ({detail})."
         quiet = [c for c, n in counts.items() if n == limit]
         if quiet:
             message += (f" Further {' and '.join(quiet)} warnings are counted and summarised at the end of training"
@@ -378,6 +419,8 @@ class GradientHealthGuard(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "loss_ema": self.loss_ema,
+            "grad_norm_ema": self.grad_norm_ema,
+            "grad_variance_ema": self.grad_variance_ema,
             "good_steps": self.good_steps,
             "skipped_steps": self.skipped_steps,
             "rollbacks": self.rollbacks,
@@ -385,9 +428,15 @@ class GradientHealthGuard(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loss_ema = state_dict.get("loss_ema")
+        self.grad_norm_ema = state_dict.get("grad_norm_ema")
+        self.grad_variance_ema = state_dict.get("grad_variance_ema")
         self.good_steps = int(state_dict.get("good_steps", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.rollbacks = int(state_dict.get("rollbacks", 0))
+
+
+def _g(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
 
 
 def _read_rollback_checkpoint(strategy: Any, path: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ import torch.nn as nn
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
@@ -68,6 +69,7 @@ from lightning_npu.precision.loss_scaler import DynamicLossScaler
 
 PrecisionName = Literal["bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true"]
 _SUPPORTED: tuple[str, ...] = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "32-true")
+METRIC_PREFIX = "npu/"  # the plugin's metrics, apart from the user's own names (health/* and memory/* are the callbacks')
 # the plugin's torch function modes, which activation checkpointing's recompute re-enters (`parallel.recompute`)
 FUNCTION_MODES = (EmulatedBF16MatmulMode, FP32FunctionMode)
 
@@ -103,6 +105,13 @@ class HybridPrecision(Precision):
         fp32_functions: intercept functional softmax/norm/loss calls in the forward (see module docs).
         fp32_reduce: reduce the gradients of 16-bit parameters over dp in fp32 (the strategy's gradient
             sync reads it; every other reduction is fp32 anyway).
+        legacy_metric_names: also log ``grad_norm``, ``loss_scale`` and ``skipped_steps`` under their bare
+            pre-0.2 names beside ``npu/grad_norm``, ``npu/loss_scale`` and ``npu/skipped_steps`` (one deprecation
+            warning per run); this release only.
+
+    Logged per step: ``npu/loss_scale`` and ``npu/skipped_steps`` (with a loss scale) and ``npu/grad_norm`` (with
+    norm clipping): the pre-clip global norm of the unscaled gradients, the same number GradientHealthGuard logs
+    as ``health/grad_norm``.
     """
 
     def __init__(
@@ -119,6 +128,7 @@ class HybridPrecision(Precision):
         master_weights: Optional[bool] = None,
         fp32_functions: bool = True,
         fp32_reduce: bool = True,
+        legacy_metric_names: bool = True,
     ) -> None:
         if precision not in _SUPPORTED:
             raise ValueError(
@@ -156,6 +166,7 @@ class HybridPrecision(Precision):
         self.master_weights = self._true_half if master_weights is None else bool(master_weights)
         self.fp32_functions = fp32_functions
         self.fp32_reduce = fp32_reduce
+        self.legacy_metric_names = bool(legacy_metric_names)
         self.skipped_steps = 0
         self.last_grad_norm: Optional[Tensor] = None
         self._pl_module: Optional[nn.Module] = None
@@ -305,11 +316,20 @@ class HybridPrecision(Precision):
 
         if not isinstance(model, pl.LightningModule) or model._current_fx_name is None or model._trainer is None:
             return
+        metrics: dict[str, Any] = {}
         if self.scaler is not None:
-            model.log("loss_scale", float(self.scaler.scale), on_step=True, on_epoch=False)
-            model.log("skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+            metrics["loss_scale"] = float(self.scaler.scale)
+            metrics["skipped_steps"] = float(self.skipped_steps)
         if self.last_grad_norm is not None:
-            model.log("grad_norm", self.last_grad_norm, on_step=True, on_epoch=False)
+            metrics["grad_norm"] = self.last_grad_norm
+        if not metrics:
+            return
+        for name, value in metrics.items():
+            model.log(f"{METRIC_PREFIX}{name}", value, on_step=True, on_epoch=False)
+        if self.legacy_metric_names:
+            _warn_legacy_names_once(sorted(metrics))
+            for name, value in metrics.items():
+                model.log(name, value, on_step=True, on_epoch=False)
 
     # ---- clipping -------------------------------------------------------------------------
     def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = None) -> None:  # type: ignore[override]
@@ -347,6 +367,22 @@ class HybridPrecision(Precision):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+_legacy_warned = False
+
+
+def _warn_legacy_names_once(names: list[str]) -> None:
+    """One deprecation warning per process (not per step, not per rank) for the bare metric names."""
+    global _legacy_warned
+    if _legacy_warned:
+        return
+    _legacy_warned = True
+    rank_zero_deprecation(
+        f"HybridPrecision logs {', '.join(names)} as {', '.join(METRIC_PREFIX + n for n in names)}; the bare names are "
+        "logged too for this release only and will be removed in the next. Read the 'npu/' names (or pass "
+        "HybridPrecision(legacy_metric_names=False) to log only them)."
+    )
 
 
 def _mixed_precision_optimizer(optimizer: Any) -> MixedPrecisionOptimizer:
