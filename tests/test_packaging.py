@@ -113,3 +113,20 @@ def test_installed_wheel_imports_everything_and_runs_the_cli_outside_the_repo(in
     proc = _python(site, outside, str(script), "--help")
     assert proc.returncode == 0 and all(v in proc.stdout for v in ("fit", "plan", "doctor", "convert-checkpoint")), (
         proc.stdout + proc.stderr)[-3000:]
+
+
+def test_installed_wheel_runs_the_readme_job_outside_the_repo(installed):
+    """The README's first command (`lightning-npu fit --config examples/gpt/config.yaml`, 2 processes, pp=2) from the
+    installed wheel in a directory holding only a copy of examples/, shortened to 2 steps."""
+    import shutil
+
+    _, _, site, outside = installed
+    shutil.copytree(ROOT / "examples", outside / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    run = outside / "run"
+    proc = _python(site, outside, str(site / "bin" / "lightning-npu"), "fit", "--config", "examples/gpt/config.yaml",
+                   "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+                   "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in out and "Starting with 2 processes" in out, out[-3000:]
+    assert any(run.glob("checkpoints/step=*.ckpt")), sorted(p.name for p in run.rglob("*"))[:20]
