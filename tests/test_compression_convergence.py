@@ -11,7 +11,8 @@ Those are the same 10 batches in every arm; the runs are deterministic (same num
 
 Measured with torch 2.13 on CPU (uncompressed 0.3457): bf16 +1.4%, int8 -1.9%. With error feedback on the
 gradients, as torch's PowerSGD and the top-k literature do it: topk 0.1 +93%, onebit (30 warm-up steps) +250%,
-powersgd rank 1 +547%. AdamW divides each coordinate by its own gradient RMS, so a coordinate that arrives rarely
+powersgd rank 1 +547% (measured on 2026-12-01; that arm is no longer re-run here: 70 s of the suite to re-confirm a
+known miss, which the setup warning for powersgd with Adam states). AdamW divides each coordinate by its own gradient RMS, so a coordinate that arrives rarely
 and in bursts (sparsified with error feedback) or with a sign-inflated magnitude moves less than the same gradient
 sent dense. 1-bit Adam (Tang et al. 2021, `frozen_variance=True`: after a dense warm-up each rank's Adam *momentum*
 is compressed with error feedback and the variance is frozen) closes the gap and overshoots it: topk 0.3247
@@ -45,7 +46,6 @@ ARMS = {
     # momentum with a frozen variance)
     "topk": {"mode": "topk", "ratio": 0.1, "warmup_steps": 100, "frozen_variance": True},
     "onebit": {"mode": "onebit", "warmup_steps": 100, "frozen_variance": True},
-    "powersgd": {"mode": "powersgd", "rank": 1},
 }
 # error feedback on vs off at a ratio where its effect on AdamW shows, on SMALL_GPT (measured: 1.177 vs 1.326, +12.7%)
 FEEDBACK_ARMS = {
@@ -53,7 +53,6 @@ FEEDBACK_ARMS = {
     "topk30": {"mode": "topk", "ratio": 0.3},
     "topk30_no_ef": {"mode": "topk", "ratio": 0.3, "error_feedback": False},
 }
-_MISSES = "measured {}: misses 3% under AdamW (see the module docstring); a strict xfail until compression is fixed"
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +82,7 @@ def test_uncompressed_loss_falls(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [
-    "bf16", "int8",
-    pytest.param("powersgd", marks=pytest.mark.xfail(strict=True, reason=_MISSES.format("+547%"))),
-])
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_compressed_ends_no_worse_than_3_percent(runs, mode):
     base, got = tail(runs["none"]), tail(runs[mode])
     # compression was on: fewer gradient bytes than the uncompressed run (onebit's fp32 warm-up included)

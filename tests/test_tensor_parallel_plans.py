@@ -135,12 +135,16 @@ def test_a_split_against_the_fused_layout_is_refused():
         plan_tensor_parallel(_zoo("gpt-neox"), 2, {"*": "auto", "*.query_key_value": "qkv"})
 
 
-def test_moe_experts_are_refused_naming_the_override():
-    with pytest.raises(ParallelConfigError, match=r"cannot shard module model\.model\.layers\.0\.mlp\.experts "
-                                                  r"\(MixtralExperts: .*MoE experts are not tensor-parallel here yet"):
-        plan_tensor_parallel(_zoo("mixtral"), 2, "auto")
+def test_moe_experts_split_over_tp_or_kept_whole():
+    # transformers' moe_tp_experts: every expert split over tp (trained against one process in test_model_zoo.py)
+    plan = plan_tensor_parallel(_zoo("mixtral"), 2, "auto")
+    assert plan.styles["model.model.layers.0.mlp.experts"][0] == "experts"
+    assert "model.model.layers.0.mlp.gate" in plan.replicated  # the router
     plan = plan_tensor_parallel(_zoo("mixtral"), 2, {"*": "auto", "*.mlp.experts": "replicate"})
     assert "model.model.layers.0.mlp.experts" in plan.replicated
+    with pytest.raises(ParallelConfigError, match=r"style 'colwise' for module model\.model\.layers\.0\.mlp\.experts "
+                                                  r"needs an nn\.Linear"):
+        plan_tensor_parallel(_zoo("mixtral"), 2, {"*": "auto", "*.mlp.experts": "colwise"})
 
 
 def test_bad_layouts_fail_before_any_process_group():
