@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._callbacks_helpers import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHECK = r"""
@@ -85,7 +87,8 @@ def installed(tmp_path_factory):
 
 def _python(site: Path, outside: Path, *args: str) -> subprocess.CompletedProcess:
     # -S: no site-packages processing, so no editable finder or .pth; the dependencies' folder is named explicitly
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # and no launcher variables an earlier in-process Trainer left (LOCAL_RANK, MASTER_PORT: a `fit` would join them)
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-S", *args], cwd=outside, env=env, capture_output=True, text=True,
                           timeout=300)
