@@ -119,7 +119,7 @@ def main(argv: Any = None) -> dict[str, Any]:
                                                            for r in rounds]),
                      "expert_memory_vs_replicated": arms[name]["expert_bytes_per_rank"]
                      / arms["replicated"]["expert_bytes_per_rank"]} for name in ARMS if name != "replicated"}
-    result = {"benchmark": "moe", "environment": environment(), "date": time.strftime("%Y-%m-%d %H:%M"),
+    result = {"benchmark": "moe", "environment": environment(),
               "args": vars(args), "arms": arms, "ratios": ratios, "rounds": rounds}
     path = write_json(args.out, result)
     print(f"wrote {path}")

@@ -29,7 +29,6 @@ from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu.accelerator import NPUAccelerator, log_availability
-from lightning_npu.callbacks.progress import use_resumable_progress_bar
 from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
@@ -63,7 +62,8 @@ from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
 from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
 from lightning_npu.precision.hybrid import HybridPrecision, as_hybrid_precision
-from lightning_npu.summary import use_whole_model_summary
+from lightning_npu.ui.progress import use_resumable_progress_bar
+from lightning_npu.ui.summary import use_whole_model_summary
 
 
 class NPUHybridStrategy(DDPStrategy):
