@@ -9,7 +9,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_npu import NPUHybridStrategy
-from tests._model_zoo_workers import Losses, ZooData, ZooModule, _world
+from tests._model_zoo_workers import Case, Losses, ZooData, ZooModule, _world, run_zoo
 
 
 def _fit(strategy: dict[str, Any], steps: int, save: Optional[str], load: Optional[str]) -> list[float]:
@@ -34,6 +34,9 @@ def resume_across_ep_sizes(directory: str) -> dict[str, Any]:
         out[f"ep2 {form}"] = _fit({"zero_stage": 0, "expert_parallel_size": 2, **sharded}, 2, path, None)
         out[f"ep1 from {form}"] = _fit({"zero_stage": 0}, 4, None, path)
         out[f"ep2 from {form}"] = _fit({"zero_stage": 0, "expert_parallel_size": 2}, 4, None, path)
+    # ZeRO-3's experts (FSDP2 over edp on top of the ep split: 2-D DTensors) saved as a sharded directory
+    out["ep2 zero3 dir"] = _fit({"zero_stage": 3, "expert_parallel_size": 2}, 2, f"{directory}/ep2z3.dir", None)
+    out["ep1 from zero3 dir"] = _fit({"zero_stage": 0}, 4, None, f"{directory}/ep2z3.dir")
     try:
         trainer_model = ZooModule("llama")
         trainer = L.Trainer(accelerator="cpu", devices=_world(), logger=False, enable_checkpointing=False,
@@ -43,3 +46,8 @@ def resume_across_ep_sizes(directory: str) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 (the refusal is the result)
         out["dense model"] = f"{type(err).__name__}: {err}"
     return out
+
+
+def run_layouts(layouts: dict[str, tuple[dict[str, Any], list[str]]]) -> dict[str, Any]:
+    """Every layout (strategy arguments, models) in turn, in one process group."""
+    return {name: run_zoo(strategy, {m: Case(m) for m in models}) for name, (strategy, models) in layouts.items()}

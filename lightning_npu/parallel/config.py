@@ -133,14 +133,7 @@ class ParallelConfig:
         check_int("pipeline_parallel_size", self.pipeline_parallel_size, example=2, error=ParallelConfigError)
         check_int("expert_parallel_size", self.expert_parallel_size, example=2, error=ParallelConfigError)
         if self.expert_parallel_size > 1:
-            others = {"zero_stage": (self.zero_stage, 0), "tensor_parallel_size": (self.tensor_parallel_size, 1),
-                      "pipeline_parallel_size": (self.pipeline_parallel_size, 1)}
-            for name, (value, needed) in others.items():
-                if value != needed:
-                    raise ParallelConfigError(
-                        f"`expert_parallel_size={self.expert_parallel_size}` with `{name}={value}`: expert parallelism "
-                        f"runs at {name}={needed} for now (ZeRO 1-3, tp and pp over expert shards are not built yet); "
-                        f"set {name}={needed}, or expert_parallel_size=1 (tp_plan='auto' splits every expert over tp).")
+            self._check_expert_layout()
         if self.data_parallel_size != "auto":
             check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
         if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
@@ -212,6 +205,21 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
             )
+
+    def _check_expert_layout(self) -> None:
+        """Expert parallelism composes with ZeRO 0/2/3, tp and (at ZeRO 0) pp; what is not built is refused."""
+        ep = self.expert_parallel_size
+        if self.zero_stage == 1:
+            raise ParallelConfigError(
+                f"`expert_parallel_size={ep}` with `zero_stage=1`: ZeRO-1's buckets do not reduce the experts over "
+                "their own group yet; set zero_stage=0 (replicated optimizer state), 2 or 3 (FSDP2, experts sharded "
+                "over the ranks that hold them), or expert_parallel_size=1 (tp_plan='auto' splits every expert over "
+                "tp).")
+        if self.pipeline_parallel_size > 1 and self.zero_stage != 0:
+            raise ParallelConfigError(
+                f"`expert_parallel_size={ep}` with `pipeline_parallel_size={self.pipeline_parallel_size}` and "
+                f"`zero_stage={self.zero_stage}`: the pipeline's FSDP2 stages do not shard experts over their own "
+                "group yet; use zero_stage=0 with pipeline parallelism, or pipeline_parallel_size=1.")
 
     def _warn_other_layouts(self) -> None:
         """Warn (once, on rank 0) about arguments that the chosen layout ignores; see the module doc."""

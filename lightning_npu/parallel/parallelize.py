@@ -87,13 +87,14 @@ def parallelize(
     zero23 = cfg.zero_stage in (2, 3)
     tp_names = apply_tp(model, mesh, tp_plan, localize=not zero23)
     recompute_report = apply_ac(model, cfg.activation_checkpointing)
+    expert_names = apply_ep(model, mesh, cfg, precision)
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
-    expert_names = apply_ep(model, mesh, cfg.expert_parallel_size)
     wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs, hierarchy,
                              expert_names)
-    if expert_names:
-        sync = ep.ExpertGradientSync(sync, [model.get_parameter(n) for n in expert_names],
+    if expert_names and not zero23:  # FSDP2's expert units reduce their own gradients (`apply_ep`)
+        held = dict(model.named_parameters())  # under pp: this rank's stages' experts
+        sync = ep.ExpertGradientSync(sync, [held[n] for n in expert_names if n in held],
                                      module_state(model).expert_mesh, cfg.resolved_dp)
     buffer_sync = buffer_broadcast(model, mesh, uses_ddp=wrapped is not model)
     auto = None
@@ -145,12 +146,19 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, plan: Any,
     return runner
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, ep_size: int) -> list[str]:
-    """Keep this rank's experts of each MoE layer (`expert_parallel.dispatch`); the expert parameters' names."""
-    if ep_size == 1:
+def apply_ep(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precision: Any) -> list[str]:
+    """Keep this rank's experts of each MoE layer (`expert_parallel.dispatch`), before the pipeline split (every
+    rank sees every layer, so a stage without MoE layers is no error); under ZeRO 2/3 each experts module becomes
+    its own FSDP2 unit over the ranks holding the same experts. The expert parameters' names."""
+    if cfg.expert_parallel_size == 1:
         return []
-    if getattr(module_state(model, create=False), "expert_mesh", None) is None:
-        ep.apply_expert_parallel(model, mesh, ep_size)
+    zero23 = cfg.zero_stage in (2, 3)
+    state = module_state(model)
+    if state.expert_mesh is None:
+        ep.apply_expert_parallel(model, mesh, cfg.expert_parallel_size, as_dtensors=zero23)
+        if zero23:
+            data_parallel.fully_shard_experts(ep.sharded_experts(model), state.expert_mesh["edp"], cfg.zero_stage,
+                                              data_parallel.fsdp_param_dtype(precision), cfg.resolved_dp)
     return ep.expert_parameter_names(model)
 
 
@@ -187,7 +195,9 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
     if pipeline is not None:
         if cfg.resolved_dp == 1:
             return model, gs.GradientSync()
-        buckets = gs.GradientBuckets(pipeline.stage_parameters(), dp_mesh, cfg.bucket_size_mb, shard=False,
+        experts = {id(p) for n, p in model.named_parameters() if n in set(expert_names or ())}
+        stage_params = [p for p in pipeline.stage_parameters() if id(p) not in experts]  # `ExpertGradientSync`'s
+        buckets = gs.GradientBuckets(stage_params, dp_mesh, cfg.bucket_size_mb, shard=False,
                                      overlap=False, compressor=compressor, hierarchy=hierarchy)  # the schedule runs backward per micro-batch
         pipeline.grad_listeners = [buckets.params_ready]  # so reduce per stage, after its last micro-batch backward
         return model, gs.BucketedGradientSync(buckets)

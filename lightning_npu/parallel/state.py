@@ -21,7 +21,8 @@ class ModuleState:
     fp32_stack: list = field(default_factory=list)  # an fp32 island: the autocast states its hooks restore
     fp32_island: bool = False  # an fp32 island's hooks are installed
     experts: Any = None  # an experts module under expert parallelism: its `dispatch.ExpertShard`
-    expert_mesh: Any = None  # the model under expert parallelism: the (rest, edp, ep) mesh (`dispatch`)
+    expert_mesh: Any = None  # the model under expert parallelism: the (rest, edp, ep, tp) mesh (`dispatch`)
+    gradient_divisor: Optional[int] = None  # an FSDP2 unit averaging over more ranks than its group (`wrap`)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 
 from lightning_npu.parallel.data_parallel.sync import fsdp_modules, fsdp_reduce_scatter
 from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel.plan import tp_replicated_modules
 
 
@@ -115,7 +116,22 @@ def route_reduce_scatter(module: torch.nn.Module) -> None:
     """Every FSDP2 unit under `module` reduce-scatters its gradient bucket through `sync.reduce_bucket`."""
     comm = fsdp_reduce_scatter()
     for unit in fsdp_modules(module):
-        unit.set_custom_reduce_scatter(comm)
+        divisor = getattr(module_state(unit, create=False), "gradient_divisor", None)
+        unit.set_custom_reduce_scatter(comm if divisor is None else fsdp_reduce_scatter(divisor))
+
+
+def fully_shard_experts(experts: list[torch.nn.Module], edp_mesh: DeviceMesh, zero_stage: int,
+                        param_dtype: Optional[torch.dtype], dp: int) -> None:
+    """Under expert parallelism each experts module is its own FSDP2 unit over the ranks that hold the same experts
+    (edp). The all-to-all's backward has already summed an expert's gradient over its ep group, so the unit sums
+    over edp and divides by dp: the mean over every dp rank's samples, as for the other parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = _fully_shard_kwargs(experts[0], edp_mesh, zero_stage, param_dtype, check_scalars=False)
+    for module in experts:
+        fully_shard(module, **kwargs)
+        module.set_gradient_divide_factor(float(dp))  # FSDP2's own path where edp = 1 (no reduce-scatter runs)
+        module_state(module).gradient_divisor = dp
 
 
 def _child_units(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_npu.parallel.data_parallel.sync import GradientSync
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.expert_parallel.router_monitor import experts_modules
 from lightning_npu.parallel.state import module_state, tensor_state
-from lightning_npu.parallel.tensor_parallel.shards import Sharding
+from lightning_npu.parallel.tensor_parallel.shards import Sharding, sharding_of
 
 IMPLEMENTATION = "lightning_npu_expert_parallel"
 PARAMS = ("gate_up_proj", "down_proj")
@@ -48,12 +48,18 @@ class ExpertShard:
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The ``(edp, ep)`` factorization of each dp line of `mesh` (ep: consecutive dp ranks), as a DeviceMesh over
-    the same ranks (collective: every rank builds it)."""
+    """``(rest, edp, ep, tp)`` over the same ranks as `mesh`: each dp line split into ``dp / ep`` groups of ``ep``
+    consecutive dp ranks, tp kept innermost so an expert can be split over ``(ep, tp)`` (collective: every rank
+    builds it)."""
     names = tuple(mesh.mesh_dim_names)
-    ranks = mesh.mesh.movedim(names.index("dp"), -1)  # [..., dp]
-    lines = ranks.reshape(-1, ranks.shape[-1] // ep, ep)  # [other dims, edp, ep]
-    return DeviceMesh(mesh.device_type, lines, mesh_dim_names=("rest", "edp", "ep"))
+    ranks = mesh.mesh.movedim((names.index("dp"), names.index("tp")), (-2, -1))  # [..., dp, tp]
+    dp, tp = ranks.shape[-2:]
+    lines = ranks.reshape(-1, dp // ep, ep, tp)
+    return DeviceMesh(mesh.device_type, lines, mesh_dim_names=("rest", "edp", "ep", "tp"))
+
+
+def sharded_experts(model: nn.Module) -> list[nn.Module]:
+    return [m for m in experts_modules(model).values() if getattr(module_state(m, create=False), "experts", None)]
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -61,8 +67,13 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
             if getattr(module_state(module, create=False), "experts", None) is not None for pname in PARAMS]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int) -> None:
-    """Keep this rank's experts of every MoE layer of `model` (in place)."""
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int, as_dtensors: bool) -> None:
+    """Keep this rank's experts of every MoE layer of `model` (in place), after tensor parallelism.
+
+    An expert already split over tp keeps its tp placement: it becomes ``(Shard(0), tp placement)`` over the
+    ``(ep, tp)`` mesh. `as_dtensors` (ZeRO 2/3): the experts are DTensors, which FSDP2 then shards over edp;
+    otherwise plain local tensors whose layout `shards.Sharding` records, as tp's local shards are.
+    """
     layers = experts_modules(model)
     if not layers:
         raise ParallelConfigError(
@@ -79,15 +90,33 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int) -> None:
                 f"`expert_parallel_size={ep}` does not divide the {total} experts of {fqn}; choose an "
                 f"expert_parallel_size that divides {total}.")
         local = total // ep
+        own = module_state(module, create=False)
+        tp_locals = getattr(own, "local_params", None)  # tp's plain shards, re-wrapped around forward
         for pname in PARAMS:
-            full = getattr(module, pname)
-            shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
-                                 requires_grad=full.requires_grad)
-            tensor_state(shard).sharding = Sharding(ep_mesh, (Shard(0),), full.shape, full.stride())
+            whole = module._parameters[pname]
+            tp_layout = sharding_of(whole)
+            part = _local(whole).detach()[rank * local:(rank + 1) * local].clone()
+            if tp_layout is None:
+                layout = Sharding(ep_mesh, (Shard(0),), whole.shape, whole.stride())
+            else:
+                layout = Sharding(emesh["ep", "tp"], (Shard(0), *tp_layout.placements), tp_layout.shape,
+                                  tp_layout.stride)
+            if as_dtensors:
+                part = DTensor.from_local(part, layout.mesh, layout.placements, run_check=False, shape=layout.shape,
+                                          stride=layout.stride)
+            shard = nn.Parameter(part, requires_grad=whole.requires_grad)
+            if not as_dtensors:
+                tensor_state(shard).sharding = layout
             module.register_parameter(pname, shard)
+            if tp_locals is not None and pname in tp_locals:
+                tp_locals[pname] = shard
         module_state(module).experts = ExpertShard(ep_mesh.get_group(), ep, rank * local, local, total)
         module.config._experts_implementation = IMPLEMENTATION
     module_state(model).expert_mesh = emesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _register() -> None:
@@ -114,13 +143,21 @@ def expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     local_expert = torch.empty(sum(recv_sizes), dtype=expert.dtype, device=expert.device)
     dist.all_to_all_single(local_expert, expert.contiguous(), recv_sizes, send_sizes, group=shard.group)
     local_expert -= shard.first
-    # the local experts, each on its rows of what was received (a loop over experts, not tokens)
+    # the local experts, each on its rows of what was received (a loop over experts, not tokens); FSDP2 hands
+    # them back as DTensors over (ep[, tp]): their local parts are this rank's experts
+    gate_up_proj, down_proj = _local(self.gate_up_proj), _local(self.down_proj)
     y = torch.zeros_like(x)
-    for e in torch.unique(local_expert).tolist():
+    hit = torch.unique(local_expert).tolist()
+    for e in hit:
         rows = torch.nonzero(local_expert == e).squeeze(1)
-        gate_up = nn.functional.linear(x[rows], self.gate_up_proj[e])
-        out = nn.functional.linear(self._apply_gate(gate_up), self.down_proj[e])
+        gate_up = nn.functional.linear(x[rows], gate_up_proj[e])
+        out = nn.functional.linear(self._apply_gate(gate_up), down_proj[e])
         y = y.index_add(0, rows, out)
+    if len(hit) < shard.local and torch.is_grad_enabled():
+        # an expert no token reached still takes part in backward (a zero gradient, as a grouped GEMM gives): every
+        # rank of the ep group then runs the backward all-to-all, and each expert's gradient exists on every rank
+        # that holds it, so the reductions over edp match
+        y = y + 0 * x.sum() + 0 * (gate_up_proj.sum() + down_proj.sum())
     back = _all_to_all(y, send_sizes, recv_sizes, shard.group)
     combined = torch.zeros_like(hidden_states)
     return combined.index_add(0, token, (back * weight[:, None]).to(combined.dtype))
