@@ -247,6 +247,10 @@ def test_plan_reads_a_transformers_config_json_and_counts_its_parameters_exactly
          transformers.LlamaForCausalLM, "swiglu"),
         (transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128),
          transformers.GPT2LMHeadModel, "gelu"),
+        (transformers.MixtralConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                                    num_local_experts=4, num_experts_per_tok=2),
+         transformers.MixtralForCausalLM, "swiglu"),
     ]
     for config, cls, mlp in configs:
         config.to_json_file(tmp_path / "config.json")  # what save_pretrained writes
@@ -261,6 +265,36 @@ def test_plan_reads_a_transformers_config_json_and_counts_its_parameters_exactly
         plan_main(["--model", str(tmp_path / "config.json"), "--devices", "2"])
     err = capsys.readouterr().err
     assert "a transformers config.json does not give global_batch" in err and "pass --global-batch N" in err, err
+
+
+def test_expert_parallelism_is_searched_with_its_memory_and_all_to_all():
+    """A MoE model: ep splits each layer's experts (their weights, gradients and optimizer state: ZeRO shards them over
+    the dp / ep ranks that hold the same experts), costs all-to-alls, and is searched where the strategy runs it."""
+    mixtral = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, seq=4096,
+                        global_batch=512, mlp="swiglu", norm="rmsnorm", experts=8, experts_per_token=2)
+    assert mixtral.num_params() == pytest.approx(46.70e9, rel=1e-3)  # Mixtral 8x7B
+    # 2 of 8 experts per token: the step's FLOPs follow the active parameters (12.9B of 46.7B), not all of them
+    active = mixtral.layers * mixtral.layer_active_params() + mixtral.embedding_params() + mixtral.head_params()
+    assert active == pytest.approx(12.88e9, rel=1e-3)
+    cluster = ClusterSpec(devices=64, device_memory_gb=80, peak_tflops=989)
+    base = Layout(tp=1, pp=4, dp=16, zero_stage=0, micro_batches=32, micro_batch_size=1)
+    experts = mixtral.layers / 4 * mixtral.layer_expert_params()  # one stage's experts, whole
+    for ep in (2, 8):
+        split = Layout(1, 4, 16, 0, 32, 1, ep=ep)
+        one, many = memory_by_stage(mixtral, base, "bf16-mixed")[0], memory_by_stage(mixtral, split, "bf16-mixed")[0]
+        assert one.parameters - many.parameters == pytest.approx(experts * (1 - 1 / ep) * 4)  # fp32 weights
+        assert one.optimizer - many.optimizer == pytest.approx(experts * (1 - 1 / ep) * 8)
+        assert step_time(mixtral, cluster, split).tp_comm_s > step_time(mixtral, cluster, base).tp_comm_s  # all-to-all
+    # ZeRO-3 shards the experts over dp / ep = 2 ranks, the rest over dp = 16
+    z3 = memory_by_stage(mixtral, Layout(1, 1, 16, 3, 32, 1, ep=8), "bf16-mixed")[0]
+    dense = mixtral.num_params() - mixtral.layers * mixtral.layer_expert_params()
+    assert z3.parameters == pytest.approx(dense * 4 / 16 + mixtral.layers * mixtral.layer_expert_params() / 8 * 4 / 2)
+    result = plan(mixtral, cluster)
+    eps = {(e.layout.zero_stage, e.layout.pp > 1) for e in result.ranked if e.layout.ep > 1}
+    assert eps and all(zero != 1 and (not piped or zero == 0) for zero, piped in eps)  # what the strategy composes
+    best_ep = next(e for e in result.ranked if e.layout.ep > 1)
+    assert best_ep.layout.strategy_init_args()["expert_parallel_size"] == best_ep.layout.ep
+    assert f"ep{best_ep.layout.ep}" in best_ep.layout.describe()
 
 
 def test_plan_text_uses_readable_counts_and_one_memory_unit(capsys, monkeypatch):

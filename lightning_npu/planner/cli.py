@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, help_text in [("--layers", "transformer blocks"), ("--hidden", "hidden size"),
                             ("--heads", "attention heads"), ("--kv-heads", "key/value heads (GQA; default: heads)"),
                             ("--ffn", "MLP width (default 4 x hidden)"), ("--vocab", "vocabulary size"),
-                            ("--seq", "sequence length"), ("--global-batch", "sequences per optimizer step")]:
+                            ("--seq", "sequence length"), ("--global-batch", "sequences per optimizer step"),
+                            ("--experts", "routed experts per MoE layer (0: dense; expert parallelism is searched)"),
+                            ("--experts-per-token", "experts each token is routed to (top-k, default 2)"),
+                            ("--expert-ffn", "one expert's MLP width (default --ffn)")]:
         m.add_argument(flag, type=int, help=help_text)
     m.add_argument("--mlp", choices=MLPS, help="gelu (GPT, 2 matrices) or swiglu (Llama, 3); default gelu")
     m.add_argument("--attention", choices=ATTENTIONS,
@@ -109,7 +112,8 @@ def _missing(opts: argparse.Namespace) -> Optional[str]:
 def _model(opts: argparse.Namespace) -> ModelSpec:
     sizes = {"layers": opts.layers, "hidden": opts.hidden, "heads": opts.heads, "kv_heads": opts.kv_heads,
              "ffn": opts.ffn, "vocab": opts.vocab, "seq": opts.seq, "global_batch": opts.global_batch,
-             "mlp": opts.mlp, "attention": opts.attention}
+             "mlp": opts.mlp, "attention": opts.attention, "experts": opts.experts,
+             "experts_per_token": opts.experts_per_token, "expert_ffn": opts.expert_ffn}
     if opts.model:
         return model_from_config(opts.model, **sizes)
     return ModelSpec(**{k: v for k, v in sizes.items() if v is not None})
@@ -185,13 +189,16 @@ def strategy_block(result: Plan, best: Estimate) -> str:
 def _table(result: Plan, top: int) -> str:
     shown = result.ranked[:top]
     unit, scale = memory_unit(max(e.memory.total for e in shown))
-    head = ["#", "tp", "pp", "dp", "zero", "M x b", "v", "sp", "recompute", *(f"{k} {unit}" for k in (
+    experts = bool(result.model.experts)  # an ep column for MoE models only
+    head = ["#", "tp", "pp", "dp", *(["ep"] if experts else []), "zero", "M x b", "v", "sp", "recompute",
+            *(f"{k} {unit}" for k in (
             "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "MFU", "HFU"]
     rows = []
     devices, peak = result.cluster.devices, result.cluster.peak_tflops
     for i, e in enumerate(shown, 1):
         lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
-        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.zero_stage),
+        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), *([str(lay.ep)] if experts else []),
+                     str(lay.zero_stage),
                      f"{lay.micro_batches}x{lay.micro_batch_size}", str(lay.v), "y" if lay.sequence_parallel else "-",
                      lay.recompute or "-", *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer",
                                                                      "activations", "buffers", "total")),

@@ -114,15 +114,22 @@ def stage_layers(model: ModelSpec, pp: int) -> list[int]:
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
-    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp."""
+    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp, its
+    experts split over ep x tp (`stage_expert_params`)."""
     t = layout.tp
     n = stage_layers(model, layout.pp)[stage]
-    params = n * (model.layer_matrix_params() / t + 2 * model.norm_params())
+    params = n * (model.layer_matrix_params() / t + 2 * model.norm_params()) + stage_expert_params(model, layout, stage)
     if stage == 0:
         params += model.vocab * model.hidden / t + (model.seq * model.hidden if model.learned_positions else 0)
     if stage == layout.pp - 1:
         params += (0 if model.tied_embeddings else model.vocab * model.hidden / t) + model.norm_params()
     return params
+
+
+def stage_expert_params(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """The experts one rank of `stage` holds: 1/ep of each MoE layer's, each split over tp. ZeRO shards them over
+    the dp / ep ranks holding the same experts."""
+    return stage_layers(model, layout.pp)[stage] * model.layer_expert_params() / (layout.tp * layout.ep)
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, recompute: str | None) -> float:
@@ -134,9 +141,13 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, rec
     if recompute == "full":
         return act_bytes * h / split
     qkv_out = (h + 2 * model.kv_dim) / t + h / t
+    inner, kept = (4 if gated else 2) * f / t, (2 if gated else 1) * f / t  # the MLP's saved / matmul outputs
+    if model.experts:  # each token's k experts keep theirs, plus the dispatched and combined copies
+        k, fe = model.experts_per_token, model.n_expert_ffn
+        inner, kept = k * (4 if gated else 2) * fe / t + 2 * k * h, k * (2 if gated else 1) * fe / t + 2 * k * h
     if recompute == "selective":  # block input, matmul/attention outputs; norms and activations replayed
-        return act_bytes * (h / split + qkv_out + 2 * h / split + (2 if gated else 1) * f / t + scores)
-    elements = 4 * h / split + qkv_out + (4 if gated else 2) * f / t + scores
+        return act_bytes * (h / split + qkv_out + 2 * h / split + kept + scores)
+    elements = 4 * h / split + qkv_out + inner + scores
     stats = 2 * (2 if model.norm == "layernorm" else 1) * 4 / split
     return act_bytes * elements + stats
 
@@ -197,8 +208,13 @@ def memory_by_stage(model: ModelSpec, layout: Layout, precision: str = "bf16-mix
     _, _, _, act = PRECISION_BYTES[precision]
     out = []
     for stage in range(layout.pp) if stages is None else sorted(set(stages)):
-        states = model_state_bytes(stage_params(model, layout, stage), layout.dp, layout.zero_stage,
+        experts = stage_expert_params(model, layout, stage)
+        states = model_state_bytes(stage_params(model, layout, stage) - experts, layout.dp, layout.zero_stage,
                                    precision, optimizer, accounting=accounting)
+        if experts:  # sharded by ZeRO over the ranks that hold the same experts
+            held = model_state_bytes(experts, layout.dp // layout.ep, layout.zero_stage, precision, optimizer,
+                                     accounting=accounting)
+            states = {k: states[k] + held[k] for k in states}
         out.append(StageMemory(stage, states["parameters"], states["gradients"], states["optimizer"],
                                stage_activation_bytes(model, layout, stage, act),
                                buffer_bytes(model, layout, gather_bytes(precision), act)))

@@ -1,5 +1,5 @@
 """Enumerate tp x pp x dp x ZeRO stage x micro-batch size x recomputation (x sequence parallelism, x interleave
-depth v), reject the layouts that cannot run or do not fit (saying why), and rank the rest by estimated tokens
+depth v, x expert parallelism for MoE models), reject the layouts that cannot run or do not fit (saying why), and rank the rest by estimated tokens
 per second."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Estimate:
             "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage,
                        "micro_batches": lay.micro_batches, "micro_batch_size": lay.micro_batch_size,
                        "activation_checkpointing": lay.recompute, "sequence_parallel": lay.sequence_parallel,
-                       "pipeline_schedule": lay.schedule, "virtual_stages": lay.v},
+                       "pipeline_schedule": lay.schedule, "virtual_stages": lay.v,
+                       "expert_parallel_size": lay.ep},
             "memory_gb": self.memory.as_gb(),
             "memory_stage": self.memory.stage,
             "step_time_s": self.time.step_s,
@@ -105,6 +106,20 @@ def _virtual_stages(model: ModelSpec, pp: int, micro_batches: int, schedule: str
         return []
     candidates = virtual_stages or tuple(range(2, model.layers // pp + 1))
     return [v for v in candidates if v >= 2 and pp * v <= model.layers]
+
+
+def _zero_and_expert_sizes(model: ModelSpec, zero_stages: tuple[int, ...], pp: int, dp: int) -> list[tuple[int, int]]:
+    """(ZeRO stage, expert-parallel size) pairs: ep divides dp and the experts, and composes as the strategy allows
+    (ZeRO 0, 2, 3; under pp only ZeRO 0)."""
+    eps = [e for e in _divisors(dp) if model.experts and model.experts % e == 0 and e > 1]
+    out = []
+    for zero in zero_stages:
+        if dp == 1 and zero > 0:
+            continue  # nothing to shard over
+        out.append((zero, 1))
+        if zero != 1 and not (pp > 1 and zero != 0):
+            out.extend((zero, e) for e in eps)
+    return out
 
 
 def plan(
@@ -182,16 +197,14 @@ def plan(
                     result.rejected["interleaved 1F1B needs micro_batches a multiple of max(1, M // pp)"] += 1
                     result.considered += 1
                     continue
-                for zero in zero_stages:
-                    if dp == 1 and zero > 0:
-                        continue  # nothing to shard over
+                for zero, ep in _zero_and_expert_sizes(model, zero_stages, pp, dp):
                     for rc in recompute:
                         for sp in sequence_parallel:
                             if sp and (tp == 1 or not model.sequence_parallel_ok):
                                 continue
                             for v in depths:
                                 result.considered += 1
-                                layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule, v if v > 1 else None)
+                                layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule, v if v > 1 else None, ep)
                                 peak = peak_memory(model, layout, precision, optimizer, accounting)
                                 if peak.total > budget:
                                     result.rejected[f"does not fit in {cluster.usable_bytes / GB:.1f} GB usable "

@@ -55,6 +55,9 @@ class ModelSpec:
     tied_embeddings: bool = False
     learned_positions: bool = False
     sequence_parallel_ok: bool = True  # False for `transformers` models, which the strategy refuses to sequence-shard
+    experts: int = 0  # routed experts of every MoE layer (0: a dense MLP); each token goes to `experts_per_token`
+    experts_per_token: int = 2
+    expert_ffn: Optional[int] = None  # one expert's MLP width (default `ffn`)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
@@ -74,6 +77,15 @@ class ModelSpec:
                 "each key/value head among heads/kv_heads query heads: pick a divisor of heads."
             )
         check_choice("mlp", self.mlp, MLPS, error=PlannerError)
+        check_number("experts", self.experts, above=-1, integral=True, example=8, error=PlannerError)
+        if self.experts:
+            check_number("experts_per_token", self.experts_per_token, above=0, integral=True, example=2,
+                         error=PlannerError)
+            if self.experts_per_token > self.experts:
+                raise PlannerError(f"`experts_per_token={self.experts_per_token}` exceeds `experts={self.experts}`: "
+                                   "a token is routed to at most every expert; pass e.g. 2.")
+            if self.expert_ffn is not None:
+                check_number("expert_ffn", self.expert_ffn, above=0, integral=True, example=1408, error=PlannerError)
         check_choice("attention", self.attention, ATTENTIONS, error=PlannerError)
         check_choice("norm", self.norm, ("layernorm", "rmsnorm"), error=PlannerError)
 
@@ -91,18 +103,37 @@ class ModelSpec:
 
     # ---- parameter counts (elements) -------------------------------------------------------
     def layer_matrix_params(self) -> int:
-        """Elements of one block's weight matrices (and their biases): what tensor parallelism splits."""
+        """Elements of one block's weight matrices (and their biases) outside the experts: what tensor parallelism
+        splits and every token multiplies (a MoE layer's router in place of its MLP)."""
         h, f, kv = self.hidden, self.n_ffn, self.kv_dim
         attn = h * (h + 2 * kv) + h * h
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * f
-        biases = (h + 2 * kv) + h + (2 * f if self.mlp == "swiglu" else f) + h if self.bias else 0
+        mlp = h * self.experts if self.experts else self._mlp_params(f)
+        biases = (h + 2 * kv) + h + (0 if self.experts else (2 * f if self.mlp == "swiglu" else f) + h) \
+            if self.bias else 0
         return attn + mlp + biases
+
+    def _mlp_params(self, width: int) -> int:
+        return (3 if self.mlp == "swiglu" else 2) * self.hidden * width
+
+    @property
+    def n_expert_ffn(self) -> int:
+        return int(self.expert_ffn) if self.expert_ffn is not None else self.n_ffn
+
+    def layer_expert_params(self) -> int:
+        """Elements of one block's experts (0 for a dense block): what expert parallelism splits."""
+        return self.experts * self._mlp_params(self.n_expert_ffn)
+
+    def layer_active_params(self) -> int:
+        """Elements one token multiplies in a block: the matrices plus the experts it is routed to."""
+        if not self.experts:
+            return self.layer_matrix_params()
+        return self.layer_matrix_params() + self.experts_per_token * self._mlp_params(self.n_expert_ffn)
 
     def norm_params(self) -> int:
         return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
 
     def layer_params(self) -> int:
-        return self.layer_matrix_params() + 2 * self.norm_params()
+        return self.layer_matrix_params() + self.layer_expert_params() + 2 * self.norm_params()
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0)
@@ -175,6 +206,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: Optional[int] = None
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks
 
     @property
     def v(self) -> int:
@@ -192,6 +224,8 @@ class Layout:
                  f"M{self.micro_batches}x{self.micro_batch_size}"]
         if self.pp > 1 and self.schedule != "1f1b":
             parts.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
+        if self.ep > 1:
+            parts.insert(3, f"ep{self.ep}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute:
@@ -209,6 +243,8 @@ class Layout:
         if self.pp > 1:
             args["micro_batches"] = self.micro_batches
             args["pipeline_schedule"] = self.schedule
+        if self.ep > 1:
+            args["expert_parallel_size"] = self.ep
         if self.sequence_parallel:
             args["sequence_parallel"] = True
         if self.recompute:
@@ -225,6 +261,9 @@ _KEYS = {  # ModelSpec field -> accepted names in a config's model init_args (ou
     "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner"),
     "vocab": ("vocab_size",),
     "seq": ("block_size", "max_position_embeddings", "seq_len"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "experts_per_token": ("num_experts_per_tok",),
+    "expert_ffn": ("moe_intermediate_size",),
 }
 # defaults of the example modules, for arguments a config leaves out
 _EXAMPLE_DEFAULTS = {

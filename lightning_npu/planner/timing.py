@@ -25,7 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_npu.planner.memory import PRECISION_BYTES, gather_bytes, stage_layers, stage_params
+from lightning_npu.planner.memory import (
+    PRECISION_BYTES,
+    gather_bytes,
+    stage_expert_params,
+    stage_layers,
+    stage_params,
+)
 from lightning_npu.planner.spec import ClusterSpec, Layout, ModelSpec
 
 
@@ -58,7 +64,7 @@ def flops_per_token(model: ModelSpec, recompute: str | None) -> tuple[float, flo
     """(FLOPs of one block, FLOPs of the output layer) per token, forward + backward (+ recomputation): hardware
     FLOPs. Selective recomputation replays no matmul, so it counts as None here."""
     r = 1 if recompute == "full" else 0
-    block = (6 + 2 * r) * model.layer_matrix_params() + (12 + 4 * r) * model.hidden * model.seq
+    block = (6 + 2 * r) * model.layer_active_params() + (12 + 4 * r) * model.hidden * model.seq
     return block, 6 * model.vocab * model.hidden
 
 
@@ -75,6 +81,25 @@ def _ring(bytes_: float, n: int, bandwidth: float, latency: float, factor: float
     return factor * (n - 1) * latency + factor * (n - 1) / n * bytes_ / bandwidth
 
 
+def _ring_share(n: int, dp: int) -> float:
+    """A ring over `n` ranks moves (n - 1) / n of the bytes; as a share of the same ring over `dp` ranks."""
+    return 0.0 if n <= 1 else ((n - 1) / n) / ((dp - 1) / dp)
+
+
+def _expert_all_to_all_s(model: ModelSpec, cluster: ClusterSpec, layout: Layout, token_bytes: float) -> float:
+    """Expert parallelism's all-to-alls of one MoE block per micro-batch: dispatch and combine in the forward, their
+    transposes in the backward (two more under full recomputation). Each moves the k routed copies of the tokens,
+    (ep - 1) / ep of them off the rank, one latency per peer; not overlapped. The ep group (ep consecutive dp ranks,
+    tp x ep ranks apart in all) stays in a node while tp x ep fits one."""
+    if not model.experts or layout.ep == 1:
+        return 0.0
+    intra, inter = _links(cluster)
+    bandwidth, latency = intra if layout.tp * layout.ep <= cluster.devices_per_node else inter
+    moved = token_bytes * model.experts_per_token * model.hidden * (layout.ep - 1) / layout.ep  # every tp rank's
+    count = 4 + (2 if layout.recompute == "full" else 0)
+    return count * ((layout.ep - 1) * latency + moved / bandwidth)
+
+
 def _links(cluster: ClusterSpec) -> tuple[tuple[float, float], tuple[float, float]]:
     """(bytes/s, seconds of latency per hop) inside a node and between nodes."""
     return ((cluster.intra_node_GBps * 1e9, cluster.intra_latency_us * 1e-6),
@@ -85,7 +110,8 @@ def _replay_s(model: ModelSpec, layout: Layout, act_bytes: int, tokens: float, c
     """Selective recomputation's replayed element-wise ops on `tokens` of one block: two norms (read and write h)
     and the activation function (read and write f, or 2f for SwiGLU's SiLU and product), memory-bound."""
     split = layout.tp if layout.sequence_parallel else 1
-    f = model.n_ffn * (2 if model.mlp == "swiglu" else 1) / layout.tp
+    width = model.experts_per_token * model.n_expert_ffn if model.experts else model.n_ffn
+    f = width * (2 if model.mlp == "swiglu" else 1) / layout.tp
     return tokens * act_bytes * 2 * (2 * model.hidden / split + f) / (cluster.memory_GBps * 1e9)
 
 
@@ -106,6 +132,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision:
     tp_link = intra if in_node or cluster.devices <= cluster.devices_per_node else inter
     n_allreduce = 4 + (2 if layout.recompute == "full" else 0)
     mb_tp = max(layers) * n_allreduce * _ring(tokens_mb * model.hidden * act, layout.tp, *tp_link)
+    mb_tp += max(layers) * _expert_all_to_all_s(model, cluster, layout, tokens_mb * act)
 
     # pipeline: M + P - 1 slots; p2p of the activations (and their gradients) between stages
     v = layout.v
@@ -124,6 +151,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision:
     dp_link = intra if layout.tp * layout.dp <= cluster.devices_per_node else inter
     params = max(stage_params(model, layout, i) for i in range(layout.pp))
     grad_bytes = params * max(g_bytes, 4)
+    experts = max(stage_expert_params(model, layout, i) for i in range(layout.pp))
+    # the experts' gradients are reduced over the dp / ep ranks that hold them: their bytes count as
+    # over a group ep times smaller (the same ring time per byte, fewer hops)
+    grad_bytes -= experts * max(g_bytes, 4) * (1 - _ring_share(layout.dp // layout.ep, layout.dp))
     if layout.zero_stage == 3:
         # every micro-batch gathers the weights twice (forward, backward) and reduce-scatters gradients once
         gathered = params * gather_bytes(precision)
