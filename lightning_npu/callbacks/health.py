@@ -73,6 +73,9 @@ class GradientHealthGuard(Callback):
     needs a copy of the weights) and flagged, after the warm-up, when it is more than ``update_ratio_tolerance``
     times off ``update_ratio_target`` (1e-3, the usual rule of thumb: Adam moves each weight by about lr, so the
     ratio is about lr / rms(w)); it is known only after the step, so ``"skip"`` is not accepted for it.
+    With a `RouterMonitor` among the callbacks, a collapsed mixture-of-experts router (one expert taking more than
+    its ``collapse_load`` of a layer's tokens for ``patience`` logged windows) is the ``router_collapse`` check:
+    ``router_collapse_action`` is ``"warn"`` (counted and summarised like the others) or ``"ignore"``.
 
     Every statistic is logged on every step it is computed (``health/grad_norm``, ``health/grad_variance``,
     ``health/loss``; ``health/update_ratio`` when measured), so a logged row holds that step's numbers: ``health/loss``
@@ -111,7 +114,12 @@ class GradientHealthGuard(Callback):
         grad_norm_spike_factor: Optional[float] = 10.0,
         grad_variance_spike_factor: Optional[float] = 100.0,
         warmup_steps: int = 10,
+        router_collapse_action: str = "warn",
     ) -> None:
+        _action("router_collapse_action", router_collapse_action, ("ignore", "warn"))
+        self.router_collapse_action = router_collapse_action
+        self._router_seen: dict[int, int] = {}  # RouterMonitor -> its collapse events already counted
+        self._router_limit: Optional[str] = None
         severity = {
             "nonfinite": _action("nonfinite_action", nonfinite_action),
             "grad_norm": _action("grad_norm_action", grad_norm_action),
@@ -215,6 +223,7 @@ class GradientHealthGuard(Callback):
                 self._before = (trainer.global_step, params, [p.detach().clone() for p in params])
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._check_routers(trainer)
         if self._before is None:
             return
         step, params, before = self._before
@@ -230,6 +239,21 @@ class GradientHealthGuard(Callback):
             self._act(trainer, pl_module, None, [], severity, ["update_ratio"], {"update_ratio": ratio}, step)
         elif severity == ACTIONS["warn"]:
             self._warn(trainer, ["update_ratio"], {"update_ratio": ratio}, step)
+
+    def _check_routers(self, trainer: Any) -> None:
+        """A `RouterMonitor`'s collapsed windows (one expert taking most of a layer's tokens for `patience` windows)
+        counted and warned about as the ``router_collapse`` check (the monitor computes them, on every rank alike)."""
+        if self.router_collapse_action == "ignore":
+            return
+        for monitor in trainer.callbacks:
+            events = getattr(monitor, "collapse_events", None)
+            if not isinstance(events, list):
+                continue
+            seen = self._router_seen.get(id(monitor), 0)
+            for event in events[seen:]:
+                self._router_limit = f"max_load <= {getattr(monitor, 'collapse_load', '?')} ({event['layer']})"
+                self._warn(trainer, ["router_collapse"], {"max_load": event["max_load"]}, event["step"])
+            self._router_seen[id(monitor)] = len(events)
 
     def _step_loss(self, trainer: Any, pl_module: Any) -> torch.Tensor:
         """The step's training loss averaged over the data-parallel replicas (what `train_loss` logs with
@@ -396,6 +420,7 @@ class GradientHealthGuard(Callback):
             "grad_norm_spike": f"<= {self.grad_norm_spike_factor} x running mean {_g(self.grad_norm_ema)}",
             "grad_variance_spike": f"<= {self.grad_variance_spike_factor} x running mean {_g(self.grad_variance_ema)}",
             "update_ratio": f"{self.update_ratio_target} within x{self.update_ratio_tolerance}",
+            "router_collapse": self._router_limit,
         }
         detail = "; ".join(f"{c} expected {ranges.get(c)}" for c in flagged)
         values_s = ", ".join(f"{k}={v:.4g}" for k, v in values.items())

@@ -4,6 +4,8 @@ A router that sends most tokens to one expert trains that expert alone and waste
 a long time. The counts are read where every `transformers` 5 MoE block hands its routing to its experts module
 (``experts(hidden_states, top_k_index, top_k_weights)``), so any layout sees them: expert tensor parallelism,
 replicated experts; under pipeline parallelism the loggers (on global rank 0) see the first stage's layers.
+The load-balancing (aux) loss is read from the model's output where a transformers MoE model returns one
+(``output_router_logits=True``); not under pipeline parallelism, where each stage sees only its own layers' routing.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class RouterMonitor(L.Callback):
         self._over: dict[str, int] = {}
         self._warned: set[str] = set()
         self._handles: list[Any] = []
+        self._aux = [0.0, 0]  # the window's aux-loss sum and count on this rank
         self.last: dict[str, dict[str, float]] = {}
+        self.collapse_events: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer: Any, pl_module: L.LightningModule) -> None:
         layers = experts_modules(pl_module)
@@ -52,11 +56,20 @@ class RouterMonitor(L.Callback):
                            "modules taking top_k_index); nothing to monitor.")
         for name, module in layers.items():
             self._handles.append(module.register_forward_pre_hook(self._counter(name), with_kwargs=True))
+        if getattr(trainer.strategy, "pipeline_plan", None) is None:
+            for module in _aux_loss_sources(pl_module):
+                self._handles.append(module.register_forward_hook(self._aux_reader))
 
     def on_fit_end(self, trainer: Any, pl_module: L.LightningModule) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _aux_reader(self, module: nn.Module, args: Any, output: Any) -> None:
+        aux = getattr(output, "aux_loss", None)
+        if module.training and isinstance(aux, torch.Tensor):
+            self._aux[0] += float(aux.detach())
+            self._aux[1] += 1
 
     def _counter(self, name: str) -> Any:
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -75,13 +88,17 @@ class RouterMonitor(L.Callback):
             return
         names = sorted(self._counts)
         packed = torch.cat([self._counts[n].double() for n in names] +
-                           [torch.tensor([float(self._tokens[n]) for n in names], dtype=torch.float64,
+                           [torch.tensor([float(self._tokens[n]) for n in names] + self._aux, dtype=torch.float64,
                                          device=self._counts[names[0]].device)])
         group = _data_parallel_group(trainer)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed, group=group)  # tp/pp peers of a dp rank routed the same tokens: dp only
         self._counts.clear()
         self._tokens.clear()
+        self._aux = [0.0, 0]
+        if packed[-1] > 0:
+            pl_module.log("moe/aux_loss", float(packed[-2] / packed[-1]), rank_zero_only=True)
+        packed = packed[:-2]
         offset, tokens = 0, packed[-len(names):]
         for i, name in enumerate(names):
             n = int(pl_module.get_submodule(name).num_experts)
@@ -97,6 +114,8 @@ class RouterMonitor(L.Callback):
 
     def _check_collapse(self, name: str, load: float, step: int) -> None:
         self._over[name] = self._over.get(name, 0) + 1 if load > self.collapse_load else 0
+        if self._over[name] >= self.patience:
+            self.collapse_events.append({"step": step, "layer": name, "max_load": load, "windows": self._over[name]})
         if self._over[name] >= self.patience and name not in self._warned:
             self._warned.add(name)
             rank_zero_warn(
@@ -110,6 +129,15 @@ class RouterMonitor(L.Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._over, self._warned = dict(state.get("over", {})), set(state.get("warned", ()))
+
+
+def _aux_loss_sources(model: nn.Module) -> list[nn.Module]:
+    """The outermost transformers MoE models under `model` (their config has ``output_router_logits``): their output
+    carries the load-balancing loss when that flag is on."""
+    found = [name for name, m in model.named_modules()
+             if hasattr(getattr(m, "config", None), "output_router_logits")]
+    outer = [n for n in found if not any(n != o and n.startswith(o + ".") for o in found if o)]
+    return [model.get_submodule(n) for n in outer]
 
 
 def _data_parallel_group(trainer: Any) -> Optional[Any]:
