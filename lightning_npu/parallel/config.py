@@ -207,7 +207,7 @@ class ParallelConfig:
             )
 
     def _check_expert_layout(self) -> None:
-        """Expert parallelism composes with ZeRO 0/2/3, tp and (at ZeRO 0) pp; what is not built is refused."""
+        """Expert parallelism composes with ZeRO 0/2/3, tp and pp; what is not built is refused."""
         ep = self.expert_parallel_size
         if self.zero_stage == 1:
             raise ParallelConfigError(
@@ -215,11 +215,6 @@ class ParallelConfig:
                 "their own group yet; set zero_stage=0 (replicated optimizer state), 2 or 3 (FSDP2, experts sharded "
                 "over the ranks that hold them), or expert_parallel_size=1 (tp_plan='auto' splits every expert over "
                 "tp).")
-        if self.pipeline_parallel_size > 1 and self.zero_stage != 0:
-            raise ParallelConfigError(
-                f"`expert_parallel_size={ep}` with `pipeline_parallel_size={self.pipeline_parallel_size}` and "
-                f"`zero_stage={self.zero_stage}`: the pipeline's FSDP2 stages do not shard experts over their own "
-                "group yet; use zero_stage=0 with pipeline parallelism, or pipeline_parallel_size=1.")
 
     def _warn_other_layouts(self) -> None:
         """Warn (once, on rank 0) about arguments that the chosen layout ignores; see the module doc."""
