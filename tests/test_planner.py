@@ -1,5 +1,5 @@
 """`lightning_npu.planner` and `lightning-npu plan`: validated on published runs (the ZeRO paper's table, Narayanan
-et al. 2021 Table 1, Llama 3 405B; sources in docs/planning.md), and the bytes our own ranks hold (one 4-process
+et al. 2021 Table 1, Llama 3 405B, BLOOM 176B, MosaicML's MPT benchmarks; sources in docs/planning.md), and the bytes our own ranks hold (one 4-process
 launch, four layouts)."""
 
 from __future__ import annotations
@@ -164,6 +164,58 @@ def test_llama3_405b(gpus, dp, tflops):
     published = Layout(8, 16, dp, 2, 2048 // dp, 1, "selective", True, "interleaved_1f1b", 7)
     _check_published(LLAMA3_405B, cluster, published, tflops, lambda s: s.model_tflops_per_device(gpus),
                      precision="bf16-true", accounting="paper", zero_stages=(1, 2), schedule="interleaved_1f1b")
+
+
+# BLOOM 176B (BigScience, Megatron-DeepSpeed): tr11-176B-ml's README and slurm script. 384 A100-80GB (48 nodes of 8,
+# NVLink inside, four 100 Gb/s Omni-Path links per node: 50 Gb/s per GPU); tp 4 x pp 12 x dp 8, micro-batch 2, global
+# batch 2048 x 2048 tokens, bf16 with DeepSpeed's BF16 optimizer (its ZeRO-1), full activation checkpointing, 1F1B,
+# ALiBi, tied embeddings (vocab padded to 250880); "about 150 TFLOPs" per GPU, hardware FLOPs (their 4 x 2 coefficient)
+BLOOM = ModelSpec(layers=70, hidden=14336, heads=112, vocab=250880, seq=2048, global_batch=2048, bias=True,
+                  tied_embeddings=True, attention="eager")
+
+
+def test_bloom_176b():
+    assert round(BLOOM.num_params() / 1e9) == 176
+    cluster = ClusterSpec(devices=384, inter_node_Gbps=50, **{k: A100[k] for k in A100 if k != "inter_node_Gbps"})
+    published = Layout(4, 12, 8, 1, 128, 2, "full")
+    ratio = _check_published(BLOOM, cluster, published, 150, lambda s: s.tflops_per_device(384),
+                             precision="bf16-mixed", accounting="deepspeed", zero_stages=(0, 1), recompute=("full",),
+                             sequence_parallel=(False,))
+    assert 0.75 < ratio < 1.0  # 0.84: the estimate is below what they measured, as for Narayanan's large rows
+
+
+# MosaicML's llm-foundry benchmarks (scripts/train/benchmarking/README.md): MPT models under PyTorch FSDP FULL_SHARD
+# (our ZeRO-3, dp only), bf16, seq 2048, vocab 50368, tied embeddings; their parameter count (biases and 2048 learned
+# positions included) is the one below, to the parameter. Per row: (name, layers, hidden, heads, GPU, GPUs,
+# micro-batch, accumulation, global batch, activation checkpointing, published MFU %). Composer trains dp only, so
+# the shape check is the recomputation policy the planner picks for that shape.
+MPT = [("70b", 80, 8192, 64, "h100", 64, 8, 4, 2048, True, 42.57),
+       ("30b", 48, 7168, 64, "h100", 32, 14, 3, 1344, True, 43.92),
+       ("7b", 32, 4096, 32, "h100", 8, 6, 1, 48, False, 46.44),
+       ("13b", 40, 5120, 40, "a100", 8, 2, 3, 48, False, 59.57),
+       pytest.param(("70b", 80, 8192, 64, "a100", 64, 8, 4, 2048, True, 53.33), marks=pytest.mark.xfail(
+           strict=True, reason="estimated 0.70x: the published HFU (71% of peak) is above the default efficiency "
+                               "(0.5); with gemm_efficiency=0.7 the estimate is 0.99x"))]
+MPT_PARAMS = {"70b": 64862437376, "30b": 29975214080, "7b": 6658859008, "13b": 12853954560}
+
+
+@pytest.mark.parametrize("row", MPT, ids=lambda r: f"mpt-{r[0]}-{r[4]}x{r[5]}")
+def test_mosaicml_mpt_under_fsdp(row):
+    name, layers, hidden, heads, gpu, gpus, mbs, accumulate, batch, checkpointing, mfu = row
+    model = ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=50368, seq=2048, global_batch=batch, bias=True,
+                      tied_embeddings=True, learned_positions=True)
+    assert model.num_params() == MPT_PARAMS[name]
+    device = dict(A100, inter_node_Gbps=200) if gpu == "a100" else dict(H100)  # 1600 Gb/s RoCE per 8-GPU node
+    cluster = ClusterSpec(devices=gpus, **device)
+    published = Layout(1, 1, gpus, 3, accumulate, mbs, "full" if checkpointing else None)
+    peak = max(m.total for m in memory_by_stage(model, published, "bf16-mixed", "adam", accounting="paper"))
+    assert peak <= cluster.usable_bytes, peak / 1e9
+    ranked = plan(model, cluster, optimizer="adam", zero_stages=(3,), recompute=(None, "full"),
+                  sequence_parallel=(False,), micro_batch_sizes=(mbs,), accounting="paper").ranked
+    best = next(e.layout for e in ranked if (e.layout.tp, e.layout.pp) == (1, 1))
+    assert best.recompute == published.recompute, best.describe()  # full recomputation exactly where they needed it
+    estimate = step_time(model, cluster, published, "bf16-mixed").mfu(gpus, device["peak_tflops"])
+    assert abs(estimate / (mfu / 100) - 1) < 0.25, (estimate, mfu)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------
