@@ -177,21 +177,26 @@ def test_auto_fits_the_budget_with_the_fewest_blocks():
             torch.testing.assert_close(run["losses"], none["losses"], rtol=0, atol=1e-6)
 
 
-def test_transformers_llama_decoder_layers():
-    """A `transformers` model: its decoder layer list is what recomputes, exactly (GQA, rotary, SwiGLU, SDPA)."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_transformers_llama_decoder_layers(attention, policy):
+    """A `transformers` model: its decoder layer list is what recomputes, exactly (GQA, rotary, SwiGLU, SDPA and eager
+    attention). Left at its default ``use_cache=True`` the model would append each block's keys to its cache again in
+    the recompute (eager attention then failed on a mask half the keys' length)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa")
+                      num_key_value_heads=2, max_position_embeddings=32, attn_implementation=attention)
     model = LlamaForCausalLM(cfg)
     x = torch.randint(0, 64, (2, 16))
     grads = []
-    for policy in (None, "full"):
+    for recompute in (None, policy):
         m = copy.deepcopy(model)
-        if policy is not None:
-            report = apply_activation_checkpointing(m, policy)
+        if recompute is not None:
+            report = apply_activation_checkpointing(m, recompute)
             assert report.blocks == "model.layers" and report.checkpointed == (0, 1)
+            assert m.config.use_cache is False
         m(x, labels=x).loss.backward()
         grads.append({n: p.grad for n, p in m.named_parameters()})
     assert grads[0].keys() == grads[1].keys()

@@ -74,9 +74,20 @@ def block_list(module: nn.Module) -> tuple[str, nn.ModuleList]:
     return fqn, module.get_submodule(fqn)
 
 
+def _disable_kv_cache(module: nn.Module) -> None:
+    """A transformers decoder left at ``use_cache=True`` appends each block's keys and values to a cache in forward;
+    the recompute would append them a second time (keys twice the mask's length). Training never reads that cache,
+    so it is turned off, as transformers' own gradient checkpointing does."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+
+
 def apply_activation_checkpointing(module: nn.Module, policy: Union[int, str]) -> RecomputeReport:
     from torch.distributed._composable import checkpoint
 
+    _disable_kv_cache(module)
     fqn, blocks = block_list(module)
     chosen = checkpointed_indices(len(blocks), policy)
     if not chosen:
