@@ -1,8 +1,9 @@
 """Attention and the loss over a sequence split across the cp ranks.
 
 Attention all-gathers K and V over cp (differentiable: backward reduce-scatters their gradients to the ranks that
-own them), then runs one scaled-dot-product attention of this rank's queries against the whole sequence's keys,
-masked by global positions (key position <= query position). This is the form the Llama 3 405B run used for its
+own them), then attends this rank's queries to the whole sequence's keys, causal by global position: on CPU each
+query chunk as two flash-kernel calls merged by log-sum-exp (`blockwise`, no mask tensor), elsewhere one
+scaled-dot-product attention with a boolean mask (key position <= query position). This is the form the Llama 3 405B run used for its
 128k phase; it halves queries, outputs and everything outside attention per rank, but the gathered K/V are
 whole-sequence (ring attention, which passes K/V blocks point-to-point, is what reaches 1/cp of attention memory).
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
+from lightning_npu.parallel.context_parallel import blockwise
 from lightning_npu.parallel.context_parallel.layout import IGNORE_INDEX
 
 HF_IMPLEMENTATION = "npu_context_parallel"
@@ -35,6 +37,8 @@ class _StepState(threading.local):
     group: Any = None
     query_positions: Optional[torch.Tensor] = None
     key_positions: Optional[torch.Tensor] = None
+    key_order: Optional[torch.Tensor] = None  # the gathered keys' indices in global order
+    chunks: tuple[int, ...] = ()  # this rank's chunk indices
     inside: bool = False
 
 
@@ -48,8 +52,15 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optio
         raise RuntimeError("context-parallel attention ran outside a context-parallel step.")
     k_all = _all_gather(k.contiguous(), gather_dim=2, group=STATE.group)
     v_all = _all_gather(v.contiguous(), gather_dim=2, group=STATE.group)
-    if kv_repeat > 1:  # grouped-query attention: gather the kv heads, then repeat them (less to communicate)
+    if blockwise.supported(q):  # CPU: the keys in global order, each query chunk in two flash calls (no mask)
+        order = STATE.key_order
+        k_all, v_all = k_all.index_select(2, order), v_all.index_select(2, order)
+        if kv_repeat > 1:  # grouped-query attention: gather the kv heads, then repeat them (less to communicate)
+            k_all, v_all = k_all.repeat_interleave(kv_repeat, dim=1), v_all.repeat_interleave(kv_repeat, dim=1)
+        return blockwise.ChunkedCausalAttention.apply(q, k_all, v_all, STATE.chunks, scale)
+    if kv_repeat > 1:
         k_all, v_all = k_all.repeat_interleave(kv_repeat, dim=1), v_all.repeat_interleave(kv_repeat, dim=1)
+    # elsewhere: one SDPA with a (local queries x sequence) boolean mask by global position (untested off CPU)
     mask = STATE.key_positions[None, :] <= STATE.query_positions[:, None]
     STATE.inside = True
     try:

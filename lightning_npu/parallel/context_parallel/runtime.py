@@ -88,8 +88,10 @@ class ContextParallel:
         state.group = self.group
         state.query_positions = self.layout.positions(self.seq_len, device)
         state.key_positions = self.layout.gathered_positions(self.seq_len, device)
+        state.key_order = torch.argsort(state.key_positions)
+        state.chunks = self.layout.chunks(self.layout.rank)
         try:
             with attention.ContextParallelMode():
                 yield
         finally:
-            state.query_positions = state.key_positions = None
+            state.query_positions = state.key_positions = state.key_order = None
