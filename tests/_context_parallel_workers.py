@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_npu
 from examples.gpt.model import GPT, GPTModule
 from lightning_npu import NPUHybridStrategy
+from lightning_npu.memory import SavedActivations
 from tests._model_zoo_workers import Losses, _world
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 4, 16, 128
@@ -71,6 +72,20 @@ class TokenData(Dataset):
         return {"input_ids": tokens[:-1], "labels": labels}
 
 
+class PeakSaved(L.Callback):
+    """The largest bytes autograd held for backward during a training step, on this rank."""
+
+    def __init__(self) -> None:
+        self.counter, self.peak = SavedActivations(), 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.counter.start()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.peak = max(self.peak, self.counter.peak)
+        self.counter.stop()
+
+
 def build(kind: str) -> L.LightningModule:
     return GPTCase() if kind == "gpt" else HFModule(kind)
 
@@ -84,10 +99,10 @@ def fit(kind: str, strategy: dict[str, Any], steps: int = STEPS, save: Optional[
     strategy = NPUHybridStrategy(**strategy)
     cfg = strategy.parallel_config
     dp = world // (cfg.tensor_parallel_size * cfg.context_parallel_size)
-    losses = Losses()
+    losses, saved = Losses(), PeakSaved()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[losses], num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+                        callbacks=[losses, saved], num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
                         gradient_clip_val=0.5)
     loader = DataLoader(TokenData(kind), batch_size=GLOBAL_BATCH // dp, shuffle=False)
     try:
@@ -96,7 +111,8 @@ def fit(kind: str, strategy: dict[str, Any], steps: int = STEPS, save: Optional[
         return {"error": f"{type(err).__name__}: {err}"}
     if save:
         trainer.save_checkpoint(save)
-    return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model)}
+    return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "saved_bytes": saved.peak,
+            "recompute": str(trainer.strategy.recompute_report)}
 
 
 def run(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -151,10 +167,14 @@ class _Short(TokenData):
 
 
 def two_process(directory: str) -> dict[str, Any]:
-    """The 2-process launch: cp=2 for Llama (ZeRO-1), Qwen3 and the GPT (ZeRO-0), the resume, the refusals."""
+    """The 2-process launch: cp=2 for Llama (ZeRO-1), Qwen3 and the GPT (ZeRO-0), both also with full activation
+    checkpointing, the resume, the refusals."""
     out = run({"llama cp2": ("llama", {"context_parallel_size": 2}),
                "qwen3 cp2": ("qwen3", {"context_parallel_size": 2, "zero_stage": 0}),
-               "gpt cp2": ("gpt", {"context_parallel_size": 2, "zero_stage": 0})})
+               "gpt cp2": ("gpt", {"context_parallel_size": 2, "zero_stage": 0}),
+               # full recompute: attention re-runs in backward with the step's split (the mode re-entered)
+               "gpt cp2 ac": ("gpt", {"context_parallel_size": 2, "zero_stage": 0, "activation_checkpointing": "full"}),
+               "llama cp2 ac": ("llama", {"context_parallel_size": 2, "activation_checkpointing": "full"})})
     out["resume"] = resume_across_cp(directory)
     out["refusals"] = refusals()
     return out

@@ -229,7 +229,8 @@ class ParallelConfig:
             ("sequence_parallel", self.sequence_parallel, "sequence_parallel=False"),
             ("gradient_compression", self.gradient_compression is not None, "gradient_compression=None"),
             ("fuse_ops", self.fuse_ops is not False, "fuse_ops=False"),
-            ("activation_checkpointing", self.activation_checkpointing is not None, "activation_checkpointing=None"),
+            ("activation_checkpointing", self.activation_checkpointing in ("selective", "auto"),
+             "activation_checkpointing='full' or an int N"),
             ("hierarchical_allreduce", self.hierarchical_allreduce is True, "hierarchical_allreduce='auto'"),
         ]
         for name, bad, fix in unsupported:

@@ -16,7 +16,6 @@ transformers models reach `cp_attention` through `AttentionInterface` (`hf_atten
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
 import torch
@@ -33,7 +32,11 @@ HF_IMPLEMENTATION = "npu_context_parallel"
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
-class _StepState(threading.local):
+class _StepState:
+    """The current step's split, kept from its forward through its backward: activation checkpointing recomputes
+    attention inside backward (on the device's autograd thread, hence not thread-local)."""
+
+    active: bool = False  # inside the step's forward (the position-id hook reads it)
     group: Any = None
     query_positions: Optional[torch.Tensor] = None
     key_positions: Optional[torch.Tensor] = None

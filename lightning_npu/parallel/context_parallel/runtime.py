@@ -65,7 +65,7 @@ class ContextParallel:
         self._hooks = [m.register_forward_pre_hook(self._pre_forward, with_kwargs=True) for m in self.targets]
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if attention.STATE.query_positions is None:
+        if not attention.STATE.active:
             return args, kwargs  # outside a context-parallel step (e.g. a user's own forward call)
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
         if bound.get("position_ids") is None:
@@ -90,8 +90,9 @@ class ContextParallel:
         state.key_positions = self.layout.gathered_positions(self.seq_len, device)
         state.key_order = torch.argsort(state.key_positions)
         state.chunks = self.layout.chunks(self.layout.rank)
+        state.active = True
         try:
             with attention.ContextParallelMode():
                 yield
-        finally:
-            state.query_positions = state.key_positions = state.key_order = None
+        finally:  # the positions stay for backward's recompute (activation checkpointing)
+            state.active = False
