@@ -84,7 +84,7 @@ class NPUHybridStrategy(DDPStrategy):
         context_parallel_size: ranks that split each sequence between them (a ``cp`` mesh dim between dp and tp):
             rank i keeps the load-balanced chunks i and 2cp-1-i, attention all-gathers K/V over cp, the loss is
             averaged over every token and gradients over dp x cp (`lightning_npu.parallel.context_parallel`). With
-            dp, tp and ZeRO 0-3; the sequence length must be divisible by 2cp.
+            dp, tp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
             number of experts. With ``zero_stage`` 0, 2 or 3, tp and pp (not ZeRO-1 yet).

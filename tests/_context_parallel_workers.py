@@ -121,10 +121,10 @@ def run(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def resume_across_cp(directory: str) -> dict[str, Any]:
-    """2 steps of Llama at cp=2 saved as a sharded directory, resumed for 2 more at cp=1 x dp=2."""
+    """2 steps of Llama at cp=2 saved as a sharded directory, resumed for the last at cp=1 x dp=2."""
     path = f"{directory}/cp2"
     first = fit("llama", {"context_parallel_size": 2, "save_distributed_checkpoint": True}, 2, save=path)
-    second = fit("llama", {}, 4, load=path)
+    second = fit("llama", {}, STEPS, load=path)
     return {"cp2": first.get("logged", first), "dp2 from cp2": second.get("logged", second)}
 
 
