@@ -40,6 +40,7 @@ from lightning_npu.parallel.checkpoint.full_state import (
     load_full_state_dict,
 )
 from lightning_npu.parallel.config import ParallelConfig
+from lightning_npu.parallel.context_parallel.runtime import ContextParallel
 from lightning_npu.parallel.data_parallel import reduction
 from lightning_npu.parallel.data_parallel.hierarchical import setup_hierarchy
 from lightning_npu.parallel.data_parallel.sampler import resumable_dataloader
@@ -80,6 +81,10 @@ class NPUHybridStrategy(DDPStrategy):
             stage's loss is ``pipeline_loss(output, target)``, or the cross-entropy of the logits.
         data_parallel_size: model replicas, each reading its own batches; ``"auto"`` is
             world size // (tp * pp).
+        context_parallel_size: ranks that split each sequence between them (a ``cp`` mesh dim between dp and tp):
+            rank i keeps the load-balanced chunks i and 2cp-1-i, attention all-gathers K/V over cp, the loss is
+            averaged over every token and gradients over dp x cp (`lightning_npu.parallel.context_parallel`). With
+            dp, tp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
             number of experts. With ``zero_stage`` 0, 2 or 3, tp and pp (not ZeRO-1 yet).
@@ -155,6 +160,7 @@ class NPUHybridStrategy(DDPStrategy):
         async_save: bool = False,
         save_distributed_checkpoint: Union[None, bool, Literal["auto"]] = None,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
     ) -> None:
         ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save,
                                               save_distributed_checkpoint)
@@ -163,6 +169,7 @@ class NPUHybridStrategy(DDPStrategy):
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
             zero_stage=zero_stage,
             micro_batches=micro_batches,
             pipeline_schedule=pipeline_schedule,
@@ -205,6 +212,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
         self._restored_from_file = False
         self._bound_metrics: list[Any] = []  # the torchmetrics `Metric`s `setup` gave the dp group
+        self._context_parallel: Any = None  # lightning_npu.parallel.context_parallel.runtime.ContextParallel (cp > 1)
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -231,9 +239,10 @@ class NPUHybridStrategy(DDPStrategy):
         cfg = self.parallel_config.resolve(self.world_size)
         # fit -> validate -> test reuse one mesh: building it again would create new process groups.
         if self._device_mesh is None or tuple(self._device_mesh.mesh.shape) != cfg.mesh_shape:
-            self._device_mesh = build_mesh(self.root_device.type, *cfg.mesh_shape)
+            self._device_mesh = build_mesh(self.root_device.type, cfg.pipeline_parallel_size, cfg.dp,
+                                           cfg.tensor_parallel_size, cfg.context_parallel_size)
             # the intra/inter-node sub-groups of dp, before any model exists (every rank, same order)
-            self.hierarchy = setup_hierarchy(
+            self.hierarchy = None if cfg.context_parallel_size > 1 else setup_hierarchy(
                 self._device_mesh, cfg.hierarchical_allreduce, cfg.zero_stage, self.num_nodes,
                 self.cluster_environment.node_rank(), self.root_device.type, cfg.bucket_size_mb)
 
@@ -355,6 +364,13 @@ class NPUHybridStrategy(DDPStrategy):
             self._buffer_sync.before_step()
         if self._pipeline is not None:
             out = self._pipeline_step(kind, *args, **kwargs)
+        elif self._context_parallel is not None:  # this rank's chunks of each sequence
+            if kind == "predict":
+                raise ValueError("`context_parallel_size>1` splits sequences for training and evaluation; predict "
+                                 "with a strategy at context_parallel_size=1 (the checkpoint loads under any cp).")
+            args = self._context_parallel.split_args(args)
+            with self._context_parallel.step(self.root_device):
+                out = self._module_step(method, context, *args, **kwargs)
         else:
             out = self._module_step(method, context, *args, **kwargs)
         if self._buffer_sync is not None:
@@ -462,6 +478,8 @@ class NPUHybridStrategy(DDPStrategy):
             # validate/test/predict without fit: split here (no gradients to synchronise)
             self._pipeline = apply_pp(module, self.device_mesh, cfg, self._plan_pipeline(), self.root_device)
         self._bound_metrics = reduction.bind_metrics(module, self.device_mesh)  # torchmetrics sync over dp, like `reduce`
+        if cfg.context_parallel_size > 1 and getattr(self._context_parallel, "module", None) is not module:
+            self._context_parallel = ContextParallel(module, self.device_mesh)  # position ids, attention
 
     def _module_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """A LightningModule that is itself an FSDP2 unit (ZeRO 2/3, parameters held directly) runs the step

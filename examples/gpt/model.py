@@ -138,11 +138,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids`: the tokens' positions when they are not 0..t-1 (context parallelism gives each rank
+        its chunks' global positions)."""
         t = idx.size(1)
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}.")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)

@@ -108,6 +108,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: Union[int, str] = "auto"
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
     zero_stage: int = 1
     micro_batches: Optional[int] = None
     pipeline_schedule: str = "1f1b"
@@ -134,6 +135,7 @@ class ParallelConfig:
         check_int("expert_parallel_size", self.expert_parallel_size, example=2, error=ParallelConfigError)
         if self.expert_parallel_size > 1:
             self._check_expert_layout()
+        check_int("context_parallel_size", self.context_parallel_size, example=2, error=ParallelConfigError)
         if self.data_parallel_size != "auto":
             check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
         if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
@@ -201,6 +203,8 @@ class ParallelConfig:
                 "hierarchical_allreduce='auto'."
             )
         _check_backend(self.process_group_backend)
+        if self.context_parallel_size > 1:
+            self._check_context_layout()
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
@@ -215,6 +219,26 @@ class ParallelConfig:
                 "their own group yet; set zero_stage=0 (replicated optimizer state), 2 or 3 (FSDP2, experts sharded "
                 "over the ranks that hold them), or expert_parallel_size=1 (tp_plan='auto' splits every expert over "
                 "tp).")
+
+    def _check_context_layout(self) -> None:
+        """Context parallelism composes with dp, tp and ZeRO 0-3; what is not built is refused by name."""
+        cp = self.context_parallel_size
+        unsupported = [
+            ("pipeline_parallel_size", self.pipeline_parallel_size > 1, "pipeline_parallel_size=1"),
+            ("expert_parallel_size", self.expert_parallel_size > 1, "expert_parallel_size=1"),
+            ("sequence_parallel", self.sequence_parallel, "sequence_parallel=False"),
+            ("gradient_compression", self.gradient_compression is not None, "gradient_compression=None"),
+            ("fuse_ops", self.fuse_ops is not False, "fuse_ops=False"),
+            ("activation_checkpointing", self.activation_checkpointing in ("selective", "auto"),
+             "activation_checkpointing='full' or an int N"),
+            ("hierarchical_allreduce", self.hierarchical_allreduce is True, "hierarchical_allreduce='auto'"),
+        ]
+        for name, bad, fix in unsupported:
+            if bad:
+                value = getattr(self, name)
+                raise ParallelConfigError(
+                    f"`context_parallel_size={cp}` with `{name}={value!r}` is not supported yet; set {fix}, or "
+                    "context_parallel_size=1.")
 
     def _warn_other_layouts(self) -> None:
         """Warn (once, on rank 0) about arguments that the chosen layout ignores; see the module doc."""
@@ -289,18 +313,20 @@ class ParallelConfig:
 
     # ---- checks that need the world size --------------------------------------------------
     def resolve(self, world_size: int) -> "ParallelConfig":
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if world_size % (tp * pp) != 0:
+        tp, pp, cp = self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size
+        sizes = f"`tensor_parallel_size={tp}` x `pipeline_parallel_size={pp}`"
+        if cp > 1:
+            sizes += f" x `context_parallel_size={cp}`"
+        if world_size % (tp * pp * cp) != 0:
             raise ParallelConfigError(
-                f"world size {world_size} is not divisible by `tensor_parallel_size={tp}` x "
-                f"`pipeline_parallel_size={pp}` = {tp * pp}; change the sizes or the number of devices."
+                f"world size {world_size} is not divisible by {sizes} = {tp * pp * cp}; change the sizes or the "
+                "number of devices."
             )
-        dp = world_size // (tp * pp) if self.data_parallel_size == "auto" else int(self.data_parallel_size)
-        if tp * pp * dp != world_size:
+        dp = world_size // (tp * pp * cp) if self.data_parallel_size == "auto" else int(self.data_parallel_size)
+        if tp * pp * cp * dp != world_size:
             raise ParallelConfigError(
-                f"`tensor_parallel_size={tp}` x `pipeline_parallel_size={pp}` x `data_parallel_size={dp}` = "
-                f"{tp * pp * dp}, but the world size is {world_size}; set `data_parallel_size="
-                f"{world_size // (tp * pp)}` or 'auto'."
+                f"{sizes} x `data_parallel_size={dp}` = {tp * pp * cp * dp}, but the world size is {world_size}; "
+                f"set `data_parallel_size={world_size // (tp * pp * cp)}` or 'auto'."
             )
         if dp % self.expert_parallel_size:
             raise ParallelConfigError(
@@ -316,9 +342,14 @@ class ParallelConfig:
         return self.resolved_dp
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, which gradients are averaged over: dp x cp (cp ranks read other tokens)."""
+        return self.dp * self.context_parallel_size
+
+    @property
     def uses_distributed_optimizer(self) -> bool:
-        """ZeRO-1 over more than one dp rank (at dp = 1 there is nothing to shard)."""
-        return self.zero_stage == 1 and self.dp > 1
+        """ZeRO-1 over more than one replica (at dp x cp = 1 there is nothing to shard)."""
+        return self.zero_stage == 1 and self.replicas > 1
 
     @property
     def overlaps_gradient_reduction(self) -> bool:
@@ -327,5 +358,8 @@ class ParallelConfig:
         return self.pipeline_parallel_size == 1
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
+    def mesh_shape(self) -> tuple[int, ...]:
+        """(pp, dp, tp), or (pp, dp, cp, tp) under context parallelism (`mesh.build_mesh`)."""
+        if self.context_parallel_size > 1:
+            return (self.pipeline_parallel_size, self.dp, self.context_parallel_size, self.tensor_parallel_size)
         return (self.pipeline_parallel_size, self.dp, self.tensor_parallel_size)

@@ -44,6 +44,7 @@ from lightning_npu.parallel.data_parallel.compression import Compressor
 from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.expert_parallel import dispatch as ep
+from lightning_npu.parallel.mesh import replica_mesh
 from lightning_npu.parallel.pipeline_parallel.runner import PipelineRunner
 from lightning_npu.parallel.recompute import AutoRecompute, apply_activation_checkpointing
 from lightning_npu.parallel.state import module_state
@@ -167,7 +168,7 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
              ddp_kwargs: dict[str, Any], hierarchy: Any = None,
              expert_names: Optional[list[str]] = None) -> tuple[nn.Module, gs.GradientSync]:
     """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync."""
-    dp_mesh = mesh["dp"]
+    dp_mesh = replica_mesh(mesh)  # dp, or dp x cp under context parallelism
     if cfg.zero_stage in (2, 3):
         param_dtype = data_parallel.fsdp_param_dtype(precision)
         if pipeline is not None:
@@ -193,7 +194,7 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             model._ddp_params_and_buffers_to_ignore = tp_names
         return model, gs.DistributedOptimizerSync(compressor)
     if pipeline is not None:
-        if cfg.resolved_dp == 1:
+        if cfg.replicas == 1:
             return model, gs.GradientSync()
         experts = {id(p) for n, p in model.named_parameters() if n in set(expert_names or ())}
         stage_params = [p for p in pipeline.stage_parameters() if id(p) not in experts]  # `ExpertGradientSync`'s

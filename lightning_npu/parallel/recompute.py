@@ -27,11 +27,14 @@ import torch
 from torch import nn
 
 from lightning_npu.memory import SavedActivations, model_state_bytes, note_kept, storage_bytes, storage_keys
+from lightning_npu.parallel.context_parallel.attention import ContextParallelMode
 from lightning_npu.parallel.pipeline_parallel.plan import declared_layout, find_blocks
 from lightning_npu.parallel.state import module_state
 from lightning_npu.precision.hybrid import FUNCTION_MODES
 
 POLICIES = ("full", "selective")
+# the function modes a block's recompute re-enters: the precision plugin's, and context parallelism's attention
+REPLAYED_MODES = (*FUNCTION_MODES, ContextParallelMode)
 
 # outputs that "selective" keeps: recomputing them would cost as much as the forward itself
 _SAVED_OPS = tuple(
@@ -202,7 +205,7 @@ def _contexts(selective: bool) -> tuple[Any, Any]:
 def _note_modes(modes: list[type]) -> Any:
     from torch.overrides import _get_current_function_mode_stack
 
-    modes[:] = [type(m) for m in _get_current_function_mode_stack() if type(m) in FUNCTION_MODES]
+    modes[:] = [type(m) for m in _get_current_function_mode_stack() if type(m) in REPLAYED_MODES]
     yield
 
 

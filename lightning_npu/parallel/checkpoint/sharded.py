@@ -572,6 +572,7 @@ def layout_metadata(cfg: Any, world_size: int, module: torch.nn.Module) -> dict[
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "pipeline_parallel_size": cfg.pipeline_parallel_size,
         "data_parallel_size": cfg.resolved_dp,
+        "context_parallel_size": cfg.context_parallel_size,
         "zero_stage": cfg.zero_stage,
         "world_size": world_size,
         # ZeRO 2/3 x TP: fused projections stored rank-major for this tp size (FQN -> (dim, parts, tp))

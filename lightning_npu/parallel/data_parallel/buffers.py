@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_npu.parallel.mesh import replica_mesh
+
 _BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
@@ -44,7 +46,7 @@ class BufferBroadcast:
 
 def buffer_broadcast(module: nn.Module, mesh: DeviceMesh, uses_ddp: bool) -> Optional[BufferBroadcast]:
     """The layout's buffer sync: None when DDP already does it, dp is 1, or the module has no buffers."""
-    dp_mesh = mesh["dp"]
+    dp_mesh = replica_mesh(mesh)
     if uses_ddp or dp_mesh.size() == 1 or not any(True for _ in module.buffers()):
         return None
     return BufferBroadcast(module, dp_mesh.get_group())

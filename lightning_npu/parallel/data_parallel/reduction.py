@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_npu.parallel.mesh import replica_mesh
 from lightning_npu.parallel.tensor_parallel.logits import VocabParallelLogits
 
 __all__ = ["all_gather", "bind_metrics", "full_value", "reduce", "replica_group"]
@@ -41,7 +42,7 @@ def replica_group(mesh: Optional[DeviceMesh]) -> Optional[dist.ProcessGroup]:
     """The dp process group of this rank, or None (the world) when the dp ranks are all the ranks or no mesh exists."""
     if mesh is None or "dp" not in (mesh.mesh_dim_names or ()):
         return None
-    dp = mesh["dp"]
+    dp = replica_mesh(mesh)  # under cp, dp x cp: cp ranks hold other tokens of the same samples
     return dp.get_group() if dp.size() < mesh.size() else None
 
 

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.data_parallel.sync import fsdp_modules, fsdp_reduce_scatter
+from lightning_npu.parallel.mesh import replica_mesh
 from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel.plan import tp_replicated_modules
@@ -58,7 +59,7 @@ def wrap_data_parallel(
     ddp_kwargs: dict[str, Any],
 ) -> DistributedDataParallel:
     kwargs = {"bucket_cap_mb": bucket_size_mb, "gradient_as_bucket_view": True, **ddp_kwargs}
-    return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh["dp"].get_group(), **kwargs)
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=replica_mesh(mesh).get_group(), **kwargs)
 
 
 def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -88,12 +89,12 @@ def fully_shard_data_parallel(
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs = _fully_shard_kwargs(module, mesh["dp"], zero_stage, param_dtype, check_scalars=False)
+    kwargs = _fully_shard_kwargs(module, replica_mesh(mesh), zero_stage, param_dtype, check_scalars=False)
     scalars = set(scalar_parameters(module))
     if scalars:
         kwargs["ignored_params"] = scalars
     if param_dtype not in (None, torch.float32):
-        fully_shard_sequence_parallel_norms(module, mesh["dp"])
+        fully_shard_sequence_parallel_norms(module, replica_mesh(mesh))
     for unit in _fsdp_units(module):
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, **kwargs)
@@ -106,7 +107,7 @@ def fully_shard_data_parallel(
         # the step's calls of `forward` would otherwise free it mid-step), and leaves the step's inputs uncast.
         # The strategy runs each step through this root's forward hooks (`is_sharded_root`).
         root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=root_mp,
+        fully_shard(module, mesh=replica_mesh(mesh), reshard_after_forward=False, mp_policy=root_mp,
                     **({"ignored_params": scalars} if scalars else {}))
     route_reduce_scatter(module)
     return module
@@ -286,7 +287,7 @@ def broadcast_module_states(module: torch.nn.Module, mesh: DeviceMesh) -> None:
     """Copy dp-rank 0's parameters and buffers to the other dp ranks (what DDP's constructor does)."""
     from torch.distributed.utils import _sync_module_states
 
-    group = mesh["dp"].get_group()
+    group = replica_mesh(mesh).get_group()
     _sync_module_states(module, group, broadcast_bucket_size=250 * 2**20, src=0, params_and_buffers_to_ignore=set())
 
 

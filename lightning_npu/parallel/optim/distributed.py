@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel.sync import GradientBuckets
+from lightning_npu.parallel.mesh import replica_dim, replica_mesh
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, refuse_unflattenable
 from lightning_npu.parallel.state import tensor_state
@@ -97,11 +98,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"{type(optimizer).__name__} already holds state before ZeRO-1 sharding; return a fresh optimizer "
                 "from `configure_optimizers` (or use zero_stage=0)."
             )
-        self.dp_mesh = mesh["dp"]
+        self.dp_mesh = replica_mesh(mesh)  # dp, or dp x cp flattened (`mesh`)
         self.dp_group = self.dp_mesh.get_group()
         self.dp = self.dp_mesh.size()
         self.dp_rank = self.dp_mesh.get_local_rank()
-        self._dp_tp_mesh = mesh["dp", "tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1 else None
+        self._dp_tp_mesh = mesh[replica_dim(mesh), "tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1 else None
         self.fqn = {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         unknown = [p for p in params if id(p) not in self.fqn]
