@@ -212,7 +212,8 @@ class GradientBuckets:
             bucket.divide_by = size if divide_by is None else divide_by
             if bucket.replicated:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
                 bucket.spec = None
-            elif self.inplace and bucket.dtype == torch.float32:
+            elif self.inplace and bucket.dtype == torch.float32 and not any(
+                    isinstance(p, DTensor) for p in bucket.params):  # a plain `.grad` cannot be a DTensor's
                 bucket.make_inplace()
                 for s in bucket.slices:
                     if s.param.requires_grad:

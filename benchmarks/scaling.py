@@ -1,0 +1,287 @@
+"""Data-parallel scaling on the example GPT: ddp vs ZeRO 0/1/2/3, and tp=2 vs Lightning's ModelParallelStrategy.
+
+    python benchmarks/scaling.py [--steps 6] [--warmup 2] [--repeats 3] [--profile-steps 3]
+    python benchmarks/scaling.py --collectives      # gloo: all-reduce vs reduce-scatter vs all-gather, per size
+
+One launch of 2 processes (gloo) runs every 2-process arm one after the other, ``--repeats`` times, the arms'
+order rotating each repeat (a slow minute of the shared machine hits every arm alike); a 1-process launch gives the
+baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32, AdamW, GPT 4 layers d=256 T=128.
+
+- ``ddp``: Lightning's ``"ddp"``; ``zero0`` .. ``zero3``: ``NPUHybridStrategy(zero_stage=S)`` at dp=2;
+  ``tp2``: ``NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)``; ``model_parallel``: Lightning's
+  ``ModelParallelStrategy(tensor_parallel_size=2)`` with the hand-written plan of benchmarks/tensor_parallel.py.
+- ``step_ms``: median over steps (pooled over repeats) of the slowest rank's wall time of a step; ``cpu_ms`` the
+  busiest rank's process CPU time (less sensitive to other jobs on the cores).
+- ``weak_scaling_efficiency`` = tokens/s of the arm ÷ (world × tokens/s of one process at the same per-rank batch)
+  (for tp2 the per-rank batch is the whole batch: both ranks see it). 1.0: communication fully hidden.
+- ``split_ms`` (rank 0, one profiled pass of ``--profile-steps`` steps after the timed ones, torch.profiler):
+  ``optimizer`` (the outermost ``Optimizer.step#`` regions), ``compute`` (time the main thread spent inside
+  ``aten::`` ops outside them), ``exposed_comm_and_overhead`` (the rest of the step: waits on communication,
+  plus Python/Lightning overhead, which the 1-process arm shows alone) and ``comm_busy`` (time gloo's threads
+  spent running collectives, overlapped or not).
+
+The machine is shared: the load average is recorded before and after (``environment.load_average`` and
+``load_after``). Writes benchmarks/results/scaling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+
+from benchmarks._common import environment, write_json  # noqa: E402
+from benchmarks._env import load_average  # noqa: E402
+from lightning_npu.launch import spawn  # noqa: E402
+
+MODEL = dict(n_layer=4, n_head=8, n_embd=256, block_size=128, vocab_size=256, bias=False)
+PER_RANK_BATCH = 4
+DP_ARMS = ["ddp", "zero0", "zero1", "zero2", "zero3"]
+TP_ARMS = ["tp2", "model_parallel"]
+
+
+class Recorder(L.Callback):
+    """Wall and process-CPU time of every step after `warmup`; with `profile_steps`, a torch.profiler pass over the
+    last steps (rank 0 keeps its split)."""
+
+    def __init__(self, warmup: int, timed: int, profile_steps: int) -> None:
+        self.warmup, self.timed, self.profile_steps = warmup, timed, profile_steps
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.split: dict[str, float] = {}
+        self._prof: Any = None
+        self._profiled_wall = 0.0
+
+    def _profiling(self, step: int) -> bool:
+        return self.profile_steps > 0 and step >= self.warmup + self.timed
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self._profiling(step) and self._prof is None:
+            import torch.profiler as tp
+
+            self._prof = tp.profile(activities=[tp.ProfilerActivity.CPU])
+            self._prof.__enter__()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        wall, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
+        step = trainer.global_step - 1  # the step just taken
+        if self._profiling(step):
+            self._profiled_wall += wall
+            if step == self.warmup + self.timed + self.profile_steps - 1:
+                self._prof.__exit__(None, None, None)
+                self.split = _split(self._prof.events(), self._profiled_wall, self.profile_steps)
+        elif step >= self.warmup:
+            self.wall.append(wall)
+            self.cpu.append(cpu)
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(x: tuple[float, float], spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(x[1], b) - max(x[0], a)) for a, b in spans)
+
+
+def _split(events: Any, wall_s: float, steps: int) -> dict[str, float]:
+    """Per step (ms): optimizer, compute (main thread in aten ops outside the optimizer), the rest, gloo busy."""
+    optim = [e for e in events if e.name.startswith("Optimizer.step#")]
+    main = optim[0].thread if optim else None
+    outer = _merged([(e.time_range.start, e.time_range.end) for e in optim if e.thread == main])
+    aten = _merged([(e.time_range.start, e.time_range.end) for e in events
+                    if e.thread == main and e.name.startswith("aten::")])
+    compute_us = sum(b - a - _overlap((a, b), outer) for a, b in aten)
+    optimizer_us = sum(b - a for a, b in outer)
+    comm_us = sum(b - a for a, b in _merged([(e.time_range.start, e.time_range.end) for e in events
+                                            if e.thread != main and e.name.startswith("gloo:")]))
+    step_ms = 1e3 * wall_s / steps
+    compute, optimizer = compute_us / 1e3 / steps, optimizer_us / 1e3 / steps
+    return {"step": step_ms, "compute": compute, "optimizer": optimizer,
+            "exposed_comm_and_overhead": step_ms - compute - optimizer, "comm_busy": comm_us / 1e3 / steps}
+
+
+def _arm(name: str, steps: int, warmup: int, profile_steps: int) -> dict[str, Any]:
+    from examples.gpt.data import TextDataModule
+    from examples.gpt.model import GPTModule
+    from lightning_npu import NPUHybridStrategy
+
+    os.environ["WORLD_SIZE"] = os.environ.get("LNPU_BENCH_WORLD", os.environ.get("WORLD_SIZE", "1"))
+    L.seed_everything(0, verbose=False)
+    devices = int(os.environ["WORLD_SIZE"])
+    model: Any = GPTModule(**MODEL)
+    if name == "ddp":
+        strategy: Any = "ddp"
+    elif name.startswith("zero"):
+        strategy = NPUHybridStrategy(zero_stage=int(name[-1]))
+    elif name == "tp2":
+        strategy = NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)
+    elif name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from benchmarks.tensor_parallel import _hand_tp_module
+
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+        model = _hand_tp_module()(**MODEL)
+    else:  # "single": one process
+        strategy = NPUHybridStrategy()
+    recorder = Recorder(warmup, steps, profile_steps)
+    data = TextDataModule(block_size=MODEL["block_size"], batch_size=PER_RANK_BATCH, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
+                        max_steps=warmup + steps + profile_steps, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder])
+    trainer.fit(model, datamodule=data)
+    return {"wall": recorder.wall, "cpu": recorder.cpu, "split": recorder.split,
+            "loss": float(trainer.callback_metrics["train_loss"])}
+
+
+def _worker(arms: list[str], repeats: int, steps: int, warmup: int, profile_steps: int) -> dict[str, Any]:
+    """Every arm `repeats` times, the order rotating; then one profiled pass per arm."""
+    os.environ["LNPU_BENCH_WORLD"] = os.environ["WORLD_SIZE"]
+    out: dict[str, list[dict]] = {a: [] for a in arms}
+    for r in range(repeats):
+        order = arms[r % len(arms):] + arms[: r % len(arms)]
+        for arm in (order if r % 2 == 0 else order[::-1]):
+            out[arm].append(_arm(arm, steps, warmup, 0))
+    splits = {arm: _arm(arm, 1, warmup, profile_steps)["split"] for arm in arms}
+    return {"runs": out, "splits": splits}
+
+
+def _collectives(sizes_mib: list[float], iters: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_npu.parallel.collectives import all_gather_into, reduce_scatter_into
+
+    world = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for mib in sizes_mib:
+        n = int(mib * 2**20 / 4) // world * world
+        x = torch.randn(n)
+        part = torch.empty(n // world)
+        full = torch.empty(n)
+        ops = {"all_reduce": lambda: dist.all_reduce(x),
+               "reduce_scatter": lambda: reduce_scatter_into(part, x),
+               "all_gather": lambda: all_gather_into(full, part)}
+        row: dict[str, float] = {}
+        for _ in range(2):  # warm-up
+            for op in ops.values():
+                op()
+        times: dict[str, list[float]] = {k: [] for k in ops}
+        for i in range(iters):
+            for name in (list(ops) if i % 2 == 0 else list(ops)[::-1]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                ops[name]()
+                times[name].append(1e3 * (time.perf_counter() - t0))
+        for name, ts in times.items():
+            row[f"{name}_ms"] = statistics.median(ts)
+        out[f"{mib:g}MiB"] = row
+    return out
+
+
+def _collectives_worker(sizes: list[float], iters: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        return _collectives(sizes, iters)
+    finally:
+        dist.destroy_process_group()
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per arm and repeat")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--arms", nargs="*", default=DP_ARMS + TP_ARMS)
+    parser.add_argument("--collectives", action="store_true", help="only time gloo's collectives")
+    parser.add_argument("--out", default="scaling.json")
+    args = parser.parse_args()
+
+    if args.collectives:
+        sizes = [1.0, 4.0, 16.0]
+        result = spawn(_collectives_worker, 2, sizes, 10)[0]
+        path = write_json("scaling_collectives.json", {"benchmark": "scaling --collectives", "world": 2,
+                                                       "backend": "gloo", "median_ms": result})
+        for size, row in result.items():
+            print(size, "  ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        print(f"wrote {path}")
+        return
+
+    started = time.time()
+    env = environment()
+    single = spawn(_worker, 1, ["single"], args.repeats, args.steps, args.warmup, args.profile_steps, threads=1)[0]
+    two = spawn(_worker, 2, args.arms, args.repeats, args.steps, args.warmup, args.profile_steps, threads=1)
+    tokens = PER_RANK_BATCH * MODEL["block_size"]
+
+    def row(ranks: list[dict], arm: str, world: int, global_batch_ranks: int) -> dict[str, Any]:
+        walls, cpus = [], []
+        for rep in range(len(ranks[0]["runs"][arm])):
+            per_rank = [r["runs"][arm][rep] for r in ranks]
+            walls += [max(ts) for ts in zip(*(p["wall"] for p in per_rank))]
+            cpus += [max(ts) for ts in zip(*(p["cpu"] for p in per_rank))]
+        step, cpu = _median(walls), _median(cpus)
+        tps = tokens * global_batch_ranks / step
+        return {"step_ms": 1e3 * step, "cpu_ms": 1e3 * cpu, "tokens_per_s": tps, "tokens_per_cpu_s":
+                tokens * global_batch_ranks / cpu, "timed_steps": len(walls), "world": world,
+                "split_ms": ranks[0]["splits"][arm], "final_loss": ranks[0]["runs"][arm][-1]["loss"]}
+
+    results = {"single": row([single], "single", 1, 1)}
+    for arm in args.arms:
+        results[arm] = row(two, arm, 2, 1 if arm in TP_ARMS else 2)
+    base = results["single"]
+    for arm, r in results.items():
+        r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["world"] * base["tokens_per_s"])
+        r["weak_scaling_efficiency_cpu"] = r["tokens_per_cpu_s"] / (r["world"] * base["tokens_per_cpu_s"])
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> Any:
+        return results[a][key] / results[b][key] if a in results and b in results else None
+
+    summary = {
+        "zero1_over_ddp": ratio("zero1", "ddp"), "zero1_over_ddp_cpu": ratio("zero1", "ddp", "tokens_per_cpu_s"),
+        "zero0_over_ddp": ratio("zero0", "ddp"), "zero0_over_ddp_cpu": ratio("zero0", "ddp", "tokens_per_cpu_s"),
+        "tp2_over_model_parallel": ratio("tp2", "model_parallel"),
+        "tp2_over_model_parallel_cpu": ratio("tp2", "model_parallel", "tokens_per_cpu_s"),
+        "efficiency": {arm: r["weak_scaling_efficiency"] for arm, r in results.items()},
+    }
+    payload = {"benchmark": "scaling", "model": MODEL, "per_rank_batch": PER_RANK_BATCH, "precision": "32-true",
+               "optimizer": "AdamW", "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+               "profile_steps": args.profile_steps, "environment": env, "load_after": load_average(),
+               "wall_s": time.time() - started, "results": results, "summary": summary}
+    path = write_json(args.out, payload)
+    print(f"load before {env.get('load_average')} after {payload['load_after']}, {payload['wall_s']:.0f} s")
+    print(f"{'arm':16s} {'step ms':>8s} {'cpu ms':>7s} {'tok/s':>7s} {'eff':>5s}  split ms (compute/optim/rest/comm)")
+    for arm, r in results.items():
+        s = r["split_ms"]
+        print(f"{arm:16s} {r['step_ms']:8.1f} {r['cpu_ms']:7.1f} {r['tokens_per_s']:7.0f} "
+              f"{r['weak_scaling_efficiency']:5.3f}  {s.get('compute', 0):.0f}/{s.get('optimizer', 0):.0f}/"
+              f"{s.get('exposed_comm_and_overhead', 0):.0f}/{s.get('comm_busy', 0):.0f}")
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items() if k != "efficiency"})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
