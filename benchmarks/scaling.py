@@ -1,6 +1,6 @@
 """Data-parallel scaling on the example GPT: ddp vs ZeRO 0/1/2/3, and tp=2 vs Lightning's ModelParallelStrategy.
 
-    python benchmarks/scaling.py [--steps 6] [--warmup 2] [--repeats 3] [--profile-steps 3]
+    python benchmarks/scaling.py [--steps 6] [--warmup 2] [--repeats 3] [--arms ddp zero1 ...]
     python benchmarks/scaling.py --collectives      # gloo: all-reduce vs reduce-scatter vs all-gather, per size
 
 One launch of 2 processes (gloo) runs every 2-process arm one after the other, ``--repeats`` times, the arms'
@@ -14,11 +14,11 @@ baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32
   busiest rank's process CPU time (less sensitive to other jobs on the cores).
 - ``weak_scaling_efficiency`` = tokens/s of the arm ÷ (world × tokens/s of one process at the same per-rank batch)
   (for tp2 the per-rank batch is the whole batch: both ranks see it). 1.0: communication fully hidden.
-- ``split_ms`` (rank 0, one profiled pass of ``--profile-steps`` steps after the timed ones, torch.profiler):
-  ``optimizer`` (the outermost ``Optimizer.step#`` regions), ``compute`` (time the main thread spent inside
-  ``aten::`` ops outside them), ``exposed_comm_and_overhead`` (the rest of the step: waits on communication,
-  plus Python/Lightning overhead, which the 1-process arm shows alone) and ``comm_busy`` (time gloo's threads
-  spent running collectives, overlapped or not).
+- ``split_ms``: ``optimizer`` (median wall time from ``on_before_optimizer_step`` to the step's end),
+  ``compute`` (the 1-process arm's forward + backward, same per-rank batch, nothing to wait for) and
+  ``exposed_comm`` (this arm's forward + backward, slowest rank, minus that: every wait on communication the
+  step does not hide: DDP's, ZeRO's bucket reductions, the overlapped parameter all-gather). Timers, not
+  torch.profiler: profiling a 2-process gloo run crashed torch 2.13 (SIGSEGV) here.
 
 The machine is shared: the load average is recorded before and after (``environment.load_average`` and
 ``load_after``). Writes benchmarks/results/scaling.json.
@@ -49,74 +49,34 @@ TP_ARMS = ["tp2", "model_parallel"]
 
 
 class Recorder(L.Callback):
-    """Wall and process-CPU time of every step after `warmup`; with `profile_steps`, a torch.profiler pass over the
-    last steps (rank 0 keeps its split)."""
+    """Per step after `warmup`: wall and process-CPU time, and the wall time up to ``on_before_optimizer_step``
+    (forward and backward with every wait on communication: DDP's, ZeRO's bucket reductions, the overlapped
+    parameter all-gather) and after it (the optimizer step)."""
 
-    def __init__(self, warmup: int, timed: int, profile_steps: int) -> None:
-        self.warmup, self.timed, self.profile_steps = warmup, timed, profile_steps
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
         self.wall: list[float] = []
         self.cpu: list[float] = []
-        self.split: dict[str, float] = {}
-        self._prof: Any = None
-        self._profiled_wall = 0.0
-
-    def _profiling(self, step: int) -> bool:
-        return self.profile_steps > 0 and step >= self.warmup + self.timed
+        self.fwd_bwd: list[float] = []
+        self.optimizer: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if self._profiling(step) and self._prof is None:
-            import torch.profiler as tp
-
-            self._prof = tp.profile(activities=[tp.ProfilerActivity.CPU])
-            self._prof.__enter__()
         self._t0, self._c0 = time.perf_counter(), time.process_time()
+        self._t1 = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._t1 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        wall, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
-        step = trainer.global_step - 1  # the step just taken
-        if self._profiling(step):
-            self._profiled_wall += wall
-            if step == self.warmup + self.timed + self.profile_steps - 1:
-                self._prof.__exit__(None, None, None)
-                self.split = _split(self._prof.events(), self._profiled_wall, self.profile_steps)
-        elif step >= self.warmup:
-            self.wall.append(wall)
-            self.cpu.append(cpu)
+        t, c = time.perf_counter(), time.process_time()
+        if trainer.global_step - 1 >= self.warmup and self._t1 is not None:
+            self.wall.append(t - self._t0)
+            self.cpu.append(c - self._c0)
+            self.fwd_bwd.append(self._t1 - self._t0)
+            self.optimizer.append(t - self._t1)
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _overlap(x: tuple[float, float], spans: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(x[1], b) - max(x[0], a)) for a, b in spans)
-
-
-def _split(events: Any, wall_s: float, steps: int) -> dict[str, float]:
-    """Per step (ms): optimizer, compute (main thread in aten ops outside the optimizer), the rest, gloo busy."""
-    optim = [e for e in events if e.name.startswith("Optimizer.step#")]
-    main = optim[0].thread if optim else None
-    outer = _merged([(e.time_range.start, e.time_range.end) for e in optim if e.thread == main])
-    aten = _merged([(e.time_range.start, e.time_range.end) for e in events
-                    if e.thread == main and e.name.startswith("aten::")])
-    compute_us = sum(b - a - _overlap((a, b), outer) for a, b in aten)
-    optimizer_us = sum(b - a for a, b in outer)
-    comm_us = sum(b - a for a, b in _merged([(e.time_range.start, e.time_range.end) for e in events
-                                            if e.thread != main and e.name.startswith("gloo:")]))
-    step_ms = 1e3 * wall_s / steps
-    compute, optimizer = compute_us / 1e3 / steps, optimizer_us / 1e3 / steps
-    return {"step": step_ms, "compute": compute, "optimizer": optimizer,
-            "exposed_comm_and_overhead": step_ms - compute - optimizer, "comm_busy": comm_us / 1e3 / steps}
-
-
-def _arm(name: str, steps: int, warmup: int, profile_steps: int) -> dict[str, Any]:
+def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
     from examples.gpt.data import TextDataModule
     from examples.gpt.model import GPTModule
     from lightning_npu import NPUHybridStrategy
@@ -140,27 +100,26 @@ def _arm(name: str, steps: int, warmup: int, profile_steps: int) -> dict[str, An
         model = _hand_tp_module()(**MODEL)
     else:  # "single": one process
         strategy = NPUHybridStrategy()
-    recorder = Recorder(warmup, steps, profile_steps)
+    recorder = Recorder(warmup)
     data = TextDataModule(block_size=MODEL["block_size"], batch_size=PER_RANK_BATCH, shuffle=False)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
-                        max_steps=warmup + steps + profile_steps, limit_val_batches=0, logger=False,
+                        max_steps=warmup + steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[recorder])
     trainer.fit(model, datamodule=data)
-    return {"wall": recorder.wall, "cpu": recorder.cpu, "split": recorder.split,
+    return {"wall": recorder.wall, "cpu": recorder.cpu, "fwd_bwd": recorder.fwd_bwd, "optimizer": recorder.optimizer,
             "loss": float(trainer.callback_metrics["train_loss"])}
 
 
-def _worker(arms: list[str], repeats: int, steps: int, warmup: int, profile_steps: int) -> dict[str, Any]:
-    """Every arm `repeats` times, the order rotating; then one profiled pass per arm."""
+def _worker(arms: list[str], repeats: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Every arm `repeats` times, the order rotating (and reversed every other repeat)."""
     os.environ["LNPU_BENCH_WORLD"] = os.environ["WORLD_SIZE"]
     out: dict[str, list[dict]] = {a: [] for a in arms}
     for r in range(repeats):
         order = arms[r % len(arms):] + arms[: r % len(arms)]
         for arm in (order if r % 2 == 0 else order[::-1]):
-            out[arm].append(_arm(arm, steps, warmup, 0))
-    splits = {arm: _arm(arm, 1, warmup, profile_steps)["split"] for arm in arms}
-    return {"runs": out, "splits": splits}
+            out[arm].append(_arm(arm, steps, warmup))
+    return {"runs": out}
 
 
 def _collectives(sizes_mib: list[float], iters: int) -> dict[str, Any]:
@@ -215,7 +174,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per arm and repeat")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--arms", nargs="*", default=DP_ARMS + TP_ARMS)
     parser.add_argument("--collectives", action="store_true", help="only time gloo's collectives")
     parser.add_argument("--out", default="scaling.json")
@@ -233,21 +191,24 @@ def main() -> None:
 
     started = time.time()
     env = environment()
-    single = spawn(_worker, 1, ["single"], args.repeats, args.steps, args.warmup, args.profile_steps, threads=1)[0]
-    two = spawn(_worker, 2, args.arms, args.repeats, args.steps, args.warmup, args.profile_steps, threads=1)
+    single = spawn(_worker, 1, ["single"], args.repeats, args.steps, args.warmup, threads=1)[0]
+    two = spawn(_worker, 2, args.arms, args.repeats, args.steps, args.warmup, threads=1)
     tokens = PER_RANK_BATCH * MODEL["block_size"]
 
     def row(ranks: list[dict], arm: str, world: int, global_batch_ranks: int) -> dict[str, Any]:
-        walls, cpus = [], []
+        walls, cpus, fwd_bwd, optim = [], [], [], []
         for rep in range(len(ranks[0]["runs"][arm])):
             per_rank = [r["runs"][arm][rep] for r in ranks]
             walls += [max(ts) for ts in zip(*(p["wall"] for p in per_rank))]
             cpus += [max(ts) for ts in zip(*(p["cpu"] for p in per_rank))]
+            fwd_bwd += [max(ts) for ts in zip(*(p["fwd_bwd"] for p in per_rank))]
+            optim += [max(ts) for ts in zip(*(p["optimizer"] for p in per_rank))]
         step, cpu = _median(walls), _median(cpus)
         tps = tokens * global_batch_ranks / step
         return {"step_ms": 1e3 * step, "cpu_ms": 1e3 * cpu, "tokens_per_s": tps, "tokens_per_cpu_s":
                 tokens * global_batch_ranks / cpu, "timed_steps": len(walls), "world": world,
-                "split_ms": ranks[0]["splits"][arm], "final_loss": ranks[0]["runs"][arm][-1]["loss"]}
+                "forward_backward_ms": 1e3 * _median(fwd_bwd), "optimizer_ms": 1e3 * _median(optim),
+                "final_loss": ranks[0]["runs"][arm][-1]["loss"]}
 
     results = {"single": row([single], "single", 1, 1)}
     for arm in args.arms:
@@ -256,6 +217,9 @@ def main() -> None:
     for arm, r in results.items():
         r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["world"] * base["tokens_per_s"])
         r["weak_scaling_efficiency_cpu"] = r["tokens_per_cpu_s"] / (r["world"] * base["tokens_per_cpu_s"])
+        # one process at the same per-rank batch computes the same forward/backward with nothing to wait for
+        r["split_ms"] = {"compute": base["forward_backward_ms"], "optimizer": r["optimizer_ms"],
+                         "exposed_comm": r["forward_backward_ms"] - base["forward_backward_ms"]}
 
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> Any:
         return results[a][key] / results[b][key] if a in results and b in results else None
@@ -269,16 +233,15 @@ def main() -> None:
     }
     payload = {"benchmark": "scaling", "model": MODEL, "per_rank_batch": PER_RANK_BATCH, "precision": "32-true",
                "optimizer": "AdamW", "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-               "profile_steps": args.profile_steps, "environment": env, "load_after": load_average(),
+               "environment": env, "load_after": load_average(),
                "wall_s": time.time() - started, "results": results, "summary": summary}
     path = write_json(args.out, payload)
-    print(f"load before {env.get('load_average')} after {payload['load_after']}, {payload['wall_s']:.0f} s")
-    print(f"{'arm':16s} {'step ms':>8s} {'cpu ms':>7s} {'tok/s':>7s} {'eff':>5s}  split ms (compute/optim/rest/comm)")
+    print(f"load before {env.get('load_average_1_5_15min')} after {payload['load_after']}, {payload['wall_s']:.0f} s")
+    print(f"{'arm':16s} {'step ms':>8s} {'cpu ms':>7s} {'tok/s':>7s} {'eff':>5s}  split ms (compute/optimizer/exposed comm)")
     for arm, r in results.items():
         s = r["split_ms"]
         print(f"{arm:16s} {r['step_ms']:8.1f} {r['cpu_ms']:7.1f} {r['tokens_per_s']:7.0f} "
-              f"{r['weak_scaling_efficiency']:5.3f}  {s.get('compute', 0):.0f}/{s.get('optimizer', 0):.0f}/"
-              f"{s.get('exposed_comm_and_overhead', 0):.0f}/{s.get('comm_busy', 0):.0f}")
+              f"{r['weak_scaling_efficiency']:5.3f}  {s['compute']:.0f}/{s['optimizer']:.0f}/{s['exposed_comm']:.0f}")
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items() if k != "efficiency"})
     print(f"wrote {path}")
 

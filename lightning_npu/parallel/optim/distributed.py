@@ -57,6 +57,8 @@ from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
+# the size of one overlapped parameter all-gather (gathered bytes): the forward waits for the first layers' only
+GATHER_CHUNK_BYTES = 4 * 2**20
 # optimizers whose update of an element depends only on that element's gradient and state
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name)
@@ -301,59 +303,76 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _wait_module(self, m: nn.Module, args: Any) -> None:
         if not self._pending:
             return
-        indices = set()
-        for p in m.parameters(recurse=False):
-            entry = self.grad_buckets.slice_of.get(id(p))
-            if entry is not None:
-                indices.add(self.bucket_index[id(entry[0])])
+        chunk_of = self._gather_plan()[1]
+        indices = {chunk_of[id(p)] for p in m.parameters(recurse=False) if id(p) in chunk_of}
         if indices & self._pending.keys():
             self.wait_parameters(indices)
 
-    @property
-    def bucket_index(self) -> dict[int, int]:
-        index = self.__dict__.get("_bucket_index")
-        if index is None or len(index) != len(self.buckets):
-            index = {id(b): i for i, b in enumerate(self.buckets)}
-            self.__dict__["_bucket_index"] = index
-        return index
+    def _gather_plan(self) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
+        """The all-gathers of a step, in the order the forward needs them: ``(bucket, first slice, end slice)``
+        ranges of at most `GATHER_CHUNK_BYTES` gathered bytes (a whole gradient bucket would arrive only when
+        the forward that waits for its first layer starts), and each parameter's chunk index."""
+        cached = self.__dict__.get("_plan")
+        if cached is not None and cached[2] == len(self.buckets):
+            return cached[0], cached[1]
+        chunks: list[tuple[int, int, int]] = []
+        chunk_of: dict[int, int] = {}
+        for bi in reversed(range(len(self.buckets))):  # buckets run from the last layers to the first
+            bucket = self.buckets[bi]
+            if bucket.replicated:
+                continue
+            size = torch.empty((), dtype=bucket.dtype).element_size() * self.dp
+            hi, nbytes = len(bucket.slices), 0
+            for lo in reversed(range(len(bucket.slices))):
+                nbytes += bucket.slices[lo].numel * size
+                if nbytes >= GATHER_CHUNK_BYTES or lo == 0:
+                    chunk_of.update({id(s.param): len(chunks) for s in bucket.slices[lo:hi]})
+                    chunks.append((bi, lo, hi))
+                    hi, nbytes = lo, 0
+        self.__dict__["_plan"] = (chunks, chunk_of, len(self.buckets))  # a cache (LightningOptimizer copies __dict__)
+        return chunks, chunk_of
 
     @torch.no_grad()
-    def wait_parameters(self, buckets: Optional[set[int]] = None) -> None:
-        """Finish the parameter all-gathers still in flight after a step (all, or the bucket indices given), so the
-        model's parameters hold the stepped weights (e.g. for a callback reading them in ``on_train_batch_end``).
-        Local (launches no collective); a no-op when none is in flight."""
-        for index in sorted(self._pending if buckets is None else buckets & self._pending.keys()):
+    def wait_parameters(self, chunks: Optional[set[int]] = None) -> None:
+        """Finish the parameter all-gathers still in flight after a step, so that the model's parameters hold the
+        stepped weights (e.g. for a callback reading them in ``on_train_batch_end``). `chunks`: only those (the
+        forward pre-hooks' use). Local (launches no collective); a no-op when none is in flight."""
+        plan = self._gather_plan()[0] if self._pending else []
+        for index in sorted(self._pending if chunks is None else chunks & self._pending.keys()):
             full, work = self._pending.pop(index)
             work.wait()
-            self._scatter_gathered(self.buckets[index], full)
+            self._scatter_gathered(*plan[index], full)
 
     @torch.no_grad()
     def gather_parameters(self, defer: bool = False) -> None:
         """All-gather every rank's master slice into the (replicated) parameters, in their dtype. `defer`: leave
         the gathers in flight, each waited on by the forward of the modules holding its parameters."""
         self.wait_parameters()
-        eager = {id(p) for p in self._module.parameters(recurse=False)} if defer else set()
-        launched = []
-        for index in reversed(range(len(self.buckets))):  # the first layers' buckets first: the forward needs them
-            bucket, master = self.buckets[index], self.masters[index]
+        for bucket, master in zip(self.buckets, self.masters):
             if bucket.replicated:  # every rank stepped the whole (scalar) parameters: nothing to gather
                 for s in bucket.slices:
                     s.param.copy_(bucket.local_view(master, s))
-                continue
-            mine = master.to(bucket.dtype)
-            full = torch.empty(self.dp, bucket.total, dtype=bucket.dtype, device=mine.device)
+        chunks, chunk_of = self._gather_plan()
+        for index, (bi, lo, hi) in enumerate(chunks):
+            bucket, master = self.buckets[bi], self.masters[bi]
+            a, b = bucket.slices[lo].offset, bucket.slices[hi - 1].offset + bucket.slices[hi - 1].numel
+            mine = master[a:b].to(bucket.dtype)
+            full = torch.empty(self.dp, b - a, dtype=bucket.dtype, device=mine.device)
             work = all_gather_into(full.view(-1), mine, group=self.dp_group, async_op=True)
             self._pending[index] = (full, work)
-            launched.append(index)
         if not defer:
             self.wait_parameters()
-        elif eager:
-            self.wait_parameters({i for i in launched if any(id(p) in eager for p in self.buckets[i].params)})
+        else:  # the root's own parameters: a LightningModule's training_step may use them without a forward
+            eager = {chunk_of[id(p)] for p in self._module.parameters(recurse=False) if id(p) in chunk_of}
+            if eager:
+                self.wait_parameters(eager)
 
-    def _scatter_gathered(self, bucket: Any, full: torch.Tensor) -> None:
-        for s in bucket.slices:
+    def _scatter_gathered(self, bi: int, lo: int, hi: int, full: torch.Tensor) -> None:
+        bucket = self.buckets[bi]
+        base = bucket.slices[lo].offset
+        for s in bucket.slices[lo:hi]:
             rows = s.param.shape[0]
-            part = full[:, s.offset : s.offset + s.numel]
+            part = full[:, s.offset - base : s.offset - base + s.numel]
             if rows == self.dp * s.chunk_rows and s.param.is_contiguous():
                 s.param.view(self.dp, s.numel).copy_(part)  # no padding: one strided copy
             else:
