@@ -3,9 +3,9 @@
     python benchmarks/scaling.py [--steps 6] [--warmup 2] [--repeats 3] [--arms ddp zero1 ...]
     python benchmarks/scaling.py --collectives      # gloo: all-reduce vs reduce-scatter vs all-gather, per size
 
-One launch of 2 processes (gloo) runs every 2-process arm one after the other, ``--repeats`` times, the arms'
-order rotating each repeat (a slow minute of the shared machine hits every arm alike); a 1-process launch gives the
-baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32, AdamW, GPT 4 layers d=256 T=128.
+Each repeat is one launch of 2 processes (gloo) running every 2-process arm one after the other, the arms' order
+rotating each repeat (a slow minute of the shared machine hits every arm alike), and a 1-process launch, before or
+after it in turn, for the baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32, AdamW, GPT 4 layers d=256 T=128.
 
 - ``ddp``: Lightning's ``"ddp"``; ``zero0`` .. ``zero3``: ``NPUHybridStrategy(zero_stage=S)`` at dp=2;
   ``tp2``: ``NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)``; ``model_parallel``: Lightning's
@@ -111,15 +111,24 @@ def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
             "loss": float(trainer.callback_metrics["train_loss"])}
 
 
-def _worker(arms: list[str], repeats: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Every arm `repeats` times, the order rotating (and reversed every other repeat)."""
+def _worker(arms: list[str], repeat: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Every arm once, in an order rotated by `repeat` (and reversed every other repeat)."""
     os.environ["LNPU_BENCH_WORLD"] = os.environ["WORLD_SIZE"]
     out: dict[str, list[dict]] = {a: [] for a in arms}
-    for r in range(repeats):
-        order = arms[r % len(arms):] + arms[: r % len(arms)]
-        for arm in (order if r % 2 == 0 else order[::-1]):
-            out[arm].append(_arm(arm, steps, warmup))
+    order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
+    for arm in (order if repeat % 2 == 0 else order[::-1]):
+        out[arm].append(_arm(arm, steps, warmup))
     return {"runs": out}
+
+
+def _merge(parts: list[list[dict]]) -> list[dict]:
+    """Per rank, the runs of several launches (one per repeat) as if from one."""
+    merged = [{"runs": {}} for _ in parts[0]]
+    for part in parts:
+        for rank, result in zip(merged, part):
+            for arm, runs in result["runs"].items():
+                rank["runs"].setdefault(arm, []).extend(runs)
+    return merged
 
 
 def _collectives(sizes_mib: list[float], iters: int) -> dict[str, Any]:
@@ -180,7 +189,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.collectives:
-        sizes = [1.0, 4.0, 16.0]
+        sizes = [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]
         result = spawn(_collectives_worker, 2, sizes, 10)[0]
         path = write_json("scaling_collectives.json", {"benchmark": "scaling --collectives", "world": 2,
                                                        "backend": "gloo", "median_ms": result})
@@ -191,8 +200,13 @@ def main() -> None:
 
     started = time.time()
     env = environment()
-    single = spawn(_worker, 1, ["single"], args.repeats, args.steps, args.warmup, threads=1)[0]
-    two = spawn(_worker, 2, args.arms, args.repeats, args.steps, args.warmup, threads=1)
+    singles, twos = [], []
+    for r in range(args.repeats):  # the 1-process baseline alternates with the 2-process launches too
+        launches = [lambda: singles.append(spawn(_worker, 1, ["single"], r, args.steps, args.warmup, threads=1)),
+                    lambda: twos.append(spawn(_worker, 2, args.arms, r, args.steps, args.warmup, threads=1))]
+        for launch in (launches if r % 2 == 0 else launches[::-1]):
+            launch()
+    single, two = _merge(singles)[0], _merge(twos)
     tokens = PER_RANK_BATCH * MODEL["block_size"]
 
     def row(ranks: list[dict], arm: str, world: int, global_batch_ranks: int) -> dict[str, Any]:

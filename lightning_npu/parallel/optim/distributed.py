@@ -295,7 +295,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # LightningModule's training_step uses its own parameters without a forward) is gathered eagerly
         for m in module.modules():
             if m is not module and any(True for _ in m.parameters(recurse=False)):
-                self._wait_hooks.append(m.register_forward_pre_hook(self._wait_module))
+                # first: tensor parallelism's own pre-hook swaps the plain shards for DTensor views (`shards.py`)
+                self._wait_hooks.append(m.register_forward_pre_hook(self._wait_module, prepend=True))
         wait = lambda *args, **kwargs: self.wait_parameters()  # noqa: E731
         self._wait_hooks.append(module.register_state_dict_pre_hook(wait))
         self._wait_hooks.append(module.register_load_state_dict_pre_hook(wait))
