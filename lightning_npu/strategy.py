@@ -549,7 +549,13 @@ class NPUHybridStrategy(DDPStrategy):
         """Whether checkpoints are one Lightning file (else a sharded directory): `save_distributed_checkpoint`."""
         return ckpt_format.writes_single_file(self.parallel_config, self.save_distributed_checkpoint, self.async_save)
 
+    def wait_parameters(self) -> None:
+        """ZeRO-1 overlaps its parameter all-gather with the next forward: finish it (checkpoints, fit's end)."""
+        for opt in self._distributed_optimizers():
+            opt.wait_parameters()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_parameters()
         if self.saves_single_file:  # full tensors in the original layout (a collective)
             return ckpt_format.full_model_state(self.lightning_module, self._distributed_optimizers())
         with self._masters_as_parameters():
@@ -602,6 +608,7 @@ class NPUHybridStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """A failed async save is raised as fit ends, on every rank alike (not at teardown, where only the rank
         that knows it could raise). Collective."""
+        self.wait_parameters()
         self.finalize_checkpoints()
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -640,6 +647,7 @@ class NPUHybridStrategy(DDPStrategy):
         return loaded
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.wait_parameters()
         if self._restored_from_file:  # (a directory was loaded whole by `load_checkpoint`)
             load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 

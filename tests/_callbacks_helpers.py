@@ -91,6 +91,8 @@ class StepSeeded(L.LightningModule):
             grad.view(-1)[0] = float("nan")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for opt in self.trainer.optimizers:  # ZeRO-1's parameter all-gather overlaps the next forward
+            getattr(opt, "wait_parameters", lambda: None)()
         self.param_log[self.global_step] = flat_params(self)
 
     def configure_optimizers(self) -> Any:

@@ -87,8 +87,13 @@ class Probe(L.Callback):
 
     @contextlib.contextmanager
     def counting(self):
+        # gradient reductions: reduce-scatters, and ZeRO-1's in-place bucket all-reduces (gloo) through the one
+        # bucket reduction
+        from lightning_npu.parallel.data_parallel import sync
+
         names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
         originals = {n: getattr(dist, n) for n in names}
+        original_bucket = sync.reduce_bucket
 
         def wrap(fn):
             def counted(*a, **k):
@@ -99,11 +104,13 @@ class Probe(L.Callback):
 
         for n in names:
             setattr(dist, n, wrap(originals[n]))
+        sync.reduce_bucket = wrap(original_bucket)
         try:
             yield
         finally:
             for n in names:
                 setattr(dist, n, originals[n])
+            sync.reduce_bucket = original_bucket
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._rs = 0

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_npu.parallel.collectives import reduce_scatter_into
 from lightning_npu.parallel.data_parallel import hierarchical
@@ -75,6 +76,7 @@ class _Slice:
             raise ValueError("a 0-dim parameter cannot be sliced over dp; it belongs in a replicated bucket.")
         self.param = param
         self.offset = offset  # into this rank's part of the bucket
+        self.full_offset = 0  # into the bucket's whole, parameter-major buffer (in-place buckets)
         rows = param.shape[0] if param.dim() else 1
         self.row_numel = (param[0].numel() if rows else 0) if param.dim() else 1
         self.chunk_rows = math.ceil(rows / dp)
@@ -93,6 +95,9 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter], dp: int, rank: int, device: torch.device, spec: Any = None,
                  replicated: bool = False) -> None:
         self.params = params
+        self.group: Any = None  # the process group this bucket reduces over, and the size its SUM is divided by
+        self.divide_by = dp
+        self.flat: Optional[torch.Tensor] = None  # in-place buckets: every parameter's whole gradient, back to back
         self.replicated = replicated  # all-reduced and held whole on every rank, in a sharded (zero 1) set: scalars
         self.dtype = params[0].dtype
         self.spec = spec  # the CompressionSpec of every parameter here (None: uncompressed)
@@ -111,39 +116,78 @@ class _Bucket:
         self.send: Optional[torch.Tensor] = None
         self.out: Optional[torch.Tensor] = None
         self.had_grad: list[bool] = []
+        self.touched = False  # an in-place bucket a backward added to since the last sync
 
     def local_view(self, flat: torch.Tensor, s: _Slice) -> torch.Tensor:
         shape = (s.rows, *s.param.shape[1:]) if s.param.dim() else ()
         return flat[s.offset : s.offset + s.rows * s.row_numel].view(shape)
 
+    def make_inplace(self) -> None:
+        """Gradients accumulate straight into one parameter-major fp32 buffer (``p.grad`` is a view of it), which
+        is all-reduced in place: no send-buffer copy, and this rank's rows of each parameter are views of it."""
+        offset = 0
+        for s in self.slices:
+            s.full_offset = offset
+            offset += s.param.numel()
+        self.flat = torch.zeros(offset, dtype=torch.float32, device=self.grad.device)
+        self.grad = self.flat[:0]  # the reduced slices are views of `flat` (`grad_view`)
+        # one view object per parameter: ``p.grad is view`` tells whether autograd added in place
+        self._views = [self.flat[s.full_offset : s.full_offset + s.param.numel()].view_as(s.param)
+                       for s in self.slices]
+        self._view_of = {id(s): v for s, v in zip(self.slices, self._views)}
+
+    def full_view(self, s: _Slice) -> torch.Tensor:
+        """A parameter's whole gradient in the in-place buffer (what ``p.grad`` is)."""
+        return self._view_of[id(s)]
+
+    def grad_view(self, s: _Slice) -> torch.Tensor:
+        """This rank's reduced rows of a parameter's gradient (what its master steps with)."""
+        if self.flat is None:
+            return self.local_view(self.grad, s)
+        start = s.full_offset + s.start * s.row_numel
+        shape = (s.rows, *s.param.shape[1:]) if s.param.dim() else ()
+        return self.flat[start : start + s.rows * s.row_numel].view(shape)
+
 
 class GradientBuckets:
-    """Gradients of `params` in fp32 buckets of `bucket_size_mb`, reduced over the dp group bucket by bucket.
+    """Gradients of `params` in fp32 buckets of `bucket_size_mb`, reduced over a dp group bucket by bucket.
 
-    ``shard=True`` (zero 1): reduce-scatter; each rank keeps the averaged rows it owns in ``bucket.grad`` and
-    the full local gradients are dropped. ``shard=False`` (zero 0 under pp): all-reduce; the averaged gradients
-    go back into each parameter's ``.grad``. Under ``shard=True`` 0-dim parameters (CLIP's ``logit_scale``) have
-    no rows to split: they go in ``replicated`` buckets, all-reduced and kept whole on every rank, as DDP keeps
-    them. With ``overlap`` a bucket launches from post-accumulate-grad hooks
-    as soon as its last gradient is ready; otherwise `finish` launches them all.
+    ``shard=True`` (zero 1): each rank keeps the averaged rows it owns (`_Bucket.grad_view`) and the full local
+    gradients are dropped. ``shard=False`` (zero 0 under pp): all-reduce; the averaged gradients go back into each
+    parameter's ``.grad``. Under ``shard=True`` 0-dim parameters (CLIP's ``logit_scale``) have no rows to split: they
+    go in ``replicated`` buckets, all-reduced and kept whole on every rank, as DDP keeps them. With ``overlap`` a
+    bucket launches from post-accumulate-grad hooks as soon as its last gradient is ready; otherwise `finish`
+    launches them all.
 
-    The local gradients are copied once into a rank-major send buffer at launch, as FSDP2 does, rather than
-    accumulated into it: a gradient cannot be a view of a rank-major buffer (its rows land in every rank's chunk),
-    and Megatron's parameter-blind flat sharding would cost the ``Shard(0)`` DTensor slices that checkpoints
-    reshard and ``.grad`` shows. Measured: 0.08% of a ZeRO-1 step of the throughput benchmark's GPT.
+    Two ways to reduce a sharded bucket, the fastest per backend (``inplace=None`` picks):
+
+    * in place (gloo, whose reduce-scatter costs ~4x its all-reduce of the same bytes): each bucket is one
+      parameter-major fp32 buffer, ``p.grad`` a view of it, so backward accumulates straight into it (Megatron's
+      contiguous gradient buffer); one in-place all-reduce per bucket; this rank's ``Shard(0)`` rows are views of
+      the result, so ``.grad`` and checkpoints keep their layout;
+    * reduce-scatter (NCCL, HCCL): the local gradients are copied once into a rank-major send buffer at launch, as
+      FSDP2 does (a gradient cannot be a view of a rank-major buffer: its rows land in every rank's chunk), and
+      each rank receives only its rows.
+
+    Each `add` may name its own `mesh` (the group its buckets reduce over) and `divide_by` (the ranks the mean is
+    over, default that group's size): expert parameters reduce over the ranks holding them, divided by dp.
     """
 
     def __init__(self, params: list[nn.Parameter], dp_mesh: DeviceMesh, bucket_size_mb: float, shard: bool,
-                 overlap: bool, compressor: Any = None, key_prefix: str = "buckets", hierarchy: Any = None) -> None:
+                 overlap: bool, compressor: Any = None, key_prefix: str = "buckets", hierarchy: Any = None,
+                 inplace: Optional[bool] = None) -> None:
         self.compressor = compressor
         self.hierarchy = hierarchy  # `hierarchical.HierarchicalAllReduce` for the all-reduce buckets, or None
         self.key_prefix = key_prefix
+        self.mesh = dp_mesh
         self.group = dp_mesh.get_group()
         self.dp = dp_mesh.size()
         self.shard = shard
         self.bucket_size_mb = bucket_size_mb
         self.overlap = overlap
-        self._rank = dp_mesh.get_local_rank() if shard else 0
+        if inplace is None:  # hooks land gradients in the buffer; compression packs its own buckets
+            inplace = shard and overlap and compressor is None and dist.get_backend(self.group) == "gloo"
+        self.inplace = inplace
         self.params: list[nn.Parameter] = []
         self.buckets: list[_Bucket] = []
         self.slice_of: dict[int, tuple[_Bucket, _Slice]] = {}
@@ -151,16 +195,29 @@ class GradientBuckets:
         self._hooks: list[Any] = []
         self.add(params)
 
-    def add(self, params: list[nn.Parameter]) -> list[_Bucket]:
+    def add(self, params: list[nn.Parameter], mesh: Optional[DeviceMesh] = None,
+            divide_by: Optional[int] = None) -> list[_Bucket]:
         """Bucket `params` (at construction, and for an optimizer's `add_param_group`); returns the new buckets, which
-        reduce after the existing ones (one fixed order on every rank)."""
+        reduce after the existing ones (one fixed order on every rank). `mesh`: the 1-D mesh they reduce over
+        (default the dp mesh given at construction); `divide_by`: the SUM's divisor (default that mesh's size)."""
+        mesh = self.mesh if mesh is None else mesh
+        size = mesh.size()
+        rank = mesh.get_local_rank() if self.shard else 0
         device = params[0].device if params else torch.device("cpu")
         # buckets are homogeneous in dtype and compression spec (per-module globs): each is reduced one way
         spec_of = self.compressor.spec_of if self.compressor is not None else (lambda p: None)
-        new = _make_buckets(params, self.bucket_size_mb, self.dp if self.shard else 1, self._rank, device, spec_of)
-        for bucket in new:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
-            if bucket.replicated:
+        new = _make_buckets(params, self.bucket_size_mb, size if self.shard else 1, rank, device, spec_of)
+        for bucket in new:
+            bucket.group = mesh.get_group()
+            bucket.divide_by = size if divide_by is None else divide_by
+            if bucket.replicated:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
                 bucket.spec = None
+            elif self.inplace and bucket.dtype == torch.float32 and not any(
+                    isinstance(p, DTensor) for p in bucket.params):  # a plain `.grad` cannot be a DTensor's
+                bucket.make_inplace()
+                for s in bucket.slices:
+                    if s.param.requires_grad:
+                        s.param.grad = bucket.full_view(s)
         self.params.extend(params)
         self.buckets.extend(new)
         self.slice_of.update({id(s.param): (b, s) for b in new for s in b.slices})
@@ -169,12 +226,38 @@ class GradientBuckets:
         return new
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket, s = self.slice_of[id(param)]
+        if bucket.flat is not None:
+            view = bucket.full_view(s)
+            if param.grad is not view:  # autograd started from None (e.g. `.grad` set to None by the user)
+                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)
+                param.grad = view
+            bucket.touched = True
         if not self.enabled:
             return  # accumulating micro-step: gradients stay local, nothing is communicated
-        bucket, _ = self.slice_of[id(param)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch_ready()
+
+    def attach_views(self) -> None:
+        """Before a backward: every in-place bucket's parameters show their buffer view as ``.grad`` (autograd adds
+        to it in place); a ``.grad`` someone else set (a plain tensor) is copied in first."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                if bucket.flat is None:
+                    continue
+                for s in bucket.slices:
+                    p = s.param
+                    if not p.requires_grad:
+                        continue
+                    view = bucket.full_view(s)
+                    g = p.grad
+                    if g is view:
+                        continue
+                    if g is not None and not isinstance(g, DTensor) and g.shape == p.shape:
+                        view.copy_(g)
+                    p.grad = view
 
     def params_ready(self, params: list[torch.Tensor]) -> None:
         """`params`' gradients are final (a pipeline stage's last backward): launch the buckets this completes."""
@@ -196,10 +279,15 @@ class GradientBuckets:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.flat is not None:  # the gradients are already in the buffer: one in-place all-reduce
+            bucket.out = bucket.flat
+            bucket.work = reduce_bucket(bucket.flat, bucket.group)
+            bucket.launched = True
+            return
         bucket.had_grad = [p.grad is not None for p in bucket.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         grads = [g if g.dim() else g.reshape(1) for g in grads]  # a scalar is one row
-        parts = self.dp if self.shard and not bucket.replicated else 1
+        parts = dist.get_world_size(bucket.group) if self.shard and not bucket.replicated else 1
         send = torch.empty(parts, bucket.total, dtype=torch.float32, device=bucket.grad.device)
         # rank-major, each gradient's dim 0 chunked and zero-padded: rank r's part is its rows of every gradient
         torch._chunk_cat(grads, dim=0, num_chunks=parts, out=send)
@@ -210,23 +298,27 @@ class GradientBuckets:
         if self.shard and not bucket.replicated:
             # a second backward before zero_grad (manual optimization) adds to the reduced slice, as `.grad` would
             bucket.out = torch.empty_like(bucket.grad) if bucket.pending else bucket.grad
-            bucket.work = reduce_bucket(bucket.send, self.group, out=bucket.out, **self._compression(bucket))
+            bucket.work = reduce_bucket(bucket.send, bucket.group, out=bucket.out, **self._compression(bucket))
         else:
             bucket.out = bucket.send
-            bucket.work = reduce_bucket(bucket.send, self.group, hierarchy=self.hierarchy, **self._compression(bucket))
+            bucket.work = reduce_bucket(bucket.send, bucket.group, hierarchy=self.hierarchy,
+                                        **self._compression(bucket))
         bucket.launched = True
 
     def _compression(self, bucket: _Bucket) -> dict[str, Any]:
         if self.compressor is None or bucket.spec is None:
             return {}  # uncompressed (with globs: parameters that no glob compresses)
         return {"compressor": self.compressor, "key": self._key(bucket), "spec": bucket.spec, "params": bucket.params,
-                "parts": self.dp if self.shard and not bucket.replicated else 1}
+                "parts": dist.get_world_size(bucket.group) if self.shard and not bucket.replicated else 1}
 
     def _key(self, bucket: _Bucket) -> str:
         return f"{self.key_prefix}.{self.buckets.index(bucket)}"
 
     def has_gradients(self) -> bool:
-        return any(b.launched or b.ready for b in self.buckets) or any(p.grad is not None for p in self.params)
+        if any(b.launched or b.ready or b.touched for b in self.buckets):
+            return True
+        inplace = {id(s.param) for b in self.buckets if b.flat is not None for s in b.slices}
+        return any(p.grad is not None for p in self.params if id(p) not in inplace)
 
     def finish(self) -> None:
         """Launch what the hooks did not, wait for every bucket, average over dp."""
@@ -235,8 +327,10 @@ class GradientBuckets:
         self._launch_ready()
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.out.div_(self.dp)
-            if self.shard:
+            bucket.out.div_(bucket.divide_by)
+            if bucket.flat is not None:
+                pass  # the reduced rows are views of the buffer; a later backward adds to it (manual optimization)
+            elif self.shard:
                 if bucket.out is not bucket.grad:
                     # a replicated bucket (all-reduced in place), or one launched inside a pipeline schedule before
                     # Lightning's zero_grad cleared `pending`: add or overwrite
@@ -247,12 +341,21 @@ class GradientBuckets:
                     if had:  # a parameter without a gradient on this step stays without one (as before the sync)
                         s.param.grad.copy_(bucket.local_view(bucket.out, s))
             bucket.work, bucket.send, bucket.out = None, None, None
-            bucket.ready, bucket.launched = 0, False
+            bucket.ready, bucket.launched, bucket.touched = 0, False, False
 
-    def clear(self) -> None:
-        """zero_grad: the next sync overwrites the reduced slices instead of adding to them."""
+    def clear(self, set_to_none: bool = True) -> None:
+        """zero_grad: the next sync overwrites the reduced slices instead of adding to them; in-place buffers are
+        zeroed (their views come back as ``.grad`` before the next backward, `attach_views`)."""
         for bucket in self.buckets:
             bucket.pending = False
+            if bucket.flat is not None:
+                bucket.flat.zero_()
+                bucket.touched = False
+                for s in bucket.slices:
+                    if set_to_none:
+                        s.param.grad = None
+                    elif s.param.requires_grad:
+                        s.param.grad = bucket.full_view(s)
 
 
 def _make_buckets(params: list[nn.Parameter], bucket_size_mb: float, parts: int, rank: int,

@@ -15,6 +15,11 @@ A step is Megatron's distributed-optimizer step:
    which this class extends (one master-weight scheme: here the slices are the masters);
 3. the updated slices are all-gathered (``dist.all_gather_single``) back into the parameters,
    in their own dtype (bf16 parameters get fp32 masters for free: the slice is the master).
+   Without pipeline parallelism the all-gather overlaps the next forward, as Megatron's
+   ``overlap_param_gather``: one async all-gather per bucket, each waited on by a forward pre-hook of
+   the modules holding its parameters (and by ``state_dict``, checkpoints, fit's end and the next step).
+   Between ``optimizer.step()`` and the next forward the parameters are therefore one step old; code
+   that reads them there (a callback's ``on_train_batch_end``) calls :meth:`DistributedOptimizer.wait_parameters`.
 
 Why row slices of each parameter rather than Megatron's contiguous byte range: the slices, their
 gradients and the optimizer state are then plain DTensors (``Shard(0)`` over dp, or the 2-D
@@ -53,6 +58,8 @@ from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
 from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
+# the size of one overlapped parameter all-gather (gathered bytes): the forward waits for the first layers' only
+GATHER_CHUNK_BYTES = 4 * 2**20
 # optimizers whose update of an element depends only on that element's gradient and state
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name)
@@ -80,6 +87,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         scaler: Optional[Any] = None,
         pp_group: Optional[Any] = None,
         compressor: Optional[Any] = None,
+        defer_gather: Optional[bool] = None,
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise ValueError(f"The optimizer is already a {type(optimizer).__name__}.")
@@ -126,6 +134,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # the AdamW step itself on the example GPT
         self._local_of: dict[int, nn.Parameter] = {}
         self._add_masters(self.buckets)
+        # the parameter all-gather overlapped with the next forward (pp = 1: the pipeline's stages run their own
+        # forward; LBFGS re-evaluates inside its step): bucket index -> (gathered, work), waited by pre-hooks
+        self.defer_gather = (overlap and not self.steps_dtensors) if defer_gather is None else defer_gather
+        self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._module = module
+        self._wait_hooks: list[Any] = []
+        if self.defer_gather:
+            self._install_wait_hooks(module)
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -150,7 +166,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _add_masters(self, buckets: list[Any]) -> None:
         """This rank's fp32 master slices of the parameters in `buckets`, their DTensor views and local views."""
         for bucket in buckets:
-            flat = torch.zeros_like(bucket.grad)
+            flat = torch.zeros(bucket.total, dtype=torch.float32, device=bucket.grad.device)
             self.masters.append(flat)
             for s in bucket.slices:
                 bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
@@ -158,10 +174,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 tensor_state(master).master = True  # checkpoints store it in place of the parameter
                 tensor_state(master).pipeline_copy = getattr(tensor_state(s.param, create=False), "pipeline_copy", False)
                 self._shard_of[id(s.param)] = master
-                self._grad_of[id(s.param)] = self._dtensor(bucket.local_view(bucket.grad, s), s.param,
-                                                           bucket.replicated)
+                self._grad_of[id(s.param)] = self._dtensor(bucket.grad_view(s), s.param, bucket.replicated)
                 if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
-                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.local_view(bucket.grad, s), s.param,
+                    self._model_grad_of[id(s.param)] = self._model_grad(bucket.grad_view(s), s.param,
                                                                         bucket.replicated)
                 self._local_of[id(master)] = master if self.steps_dtensors else nn.Parameter(
                     master.to_local(), requires_grad=master.requires_grad)
@@ -258,7 +273,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 shown = self._model_grad_of.get(id(p))
                 if shown is None:  # 16-bit parameter: refresh the copy made at the first publish of this step
                     shown = self._published.get(id(p))
-                    local = bucket.local_view(bucket.grad, s)
+                    local = bucket.grad_view(s)
                     if shown is None or p.grad is not shown:
                         shown = self._model_grad(local.to(p.dtype), p, bucket.replicated)
                     else:
@@ -269,29 +284,101 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _published_params(self) -> list[torch.Tensor]:
         return self.model_params
 
+    def hide_model_grads(self) -> None:
+        """Before a backward: the shown slices go; in-place buckets show their buffer views again (autograd adds
+        to them, so accumulation and a second backward before ``zero_grad`` sum as ``.grad`` would)."""
+        super().hide_model_grads()
+        self.grad_buckets.attach_views()
+
     # ---- step -----------------------------------------------------------------------------
+    def _install_wait_hooks(self, module: nn.Module) -> None:
+        # every module holding parameters waits for its buckets' all-gathers before its forward; the root (a
+        # LightningModule's training_step uses its own parameters without a forward) is gathered eagerly
+        for m in module.modules():
+            if m is not module and any(True for _ in m.parameters(recurse=False)):
+                # first: tensor parallelism's own pre-hook swaps the plain shards for DTensor views (`shards.py`)
+                self._wait_hooks.append(m.register_forward_pre_hook(self._wait_module, prepend=True))
+        wait = lambda *args, **kwargs: self.wait_parameters()  # noqa: E731
+        self._wait_hooks.append(module.register_state_dict_pre_hook(wait))
+        self._wait_hooks.append(module.register_load_state_dict_pre_hook(wait))
+
+    def _wait_module(self, m: nn.Module, args: Any) -> None:
+        if not self._pending:
+            return
+        chunk_of = self._gather_plan()[1]
+        indices = {chunk_of[id(p)] for p in m.parameters(recurse=False) if id(p) in chunk_of}
+        if indices & self._pending.keys():
+            self.wait_parameters(indices)
+
+    def _gather_plan(self) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
+        """The all-gathers of a step, in the order the forward needs them: ``(bucket, first slice, end slice)``
+        ranges of at most `GATHER_CHUNK_BYTES` gathered bytes (a whole gradient bucket would arrive only when
+        the forward that waits for its first layer starts), and each parameter's chunk index."""
+        cached = self.__dict__.get("_plan")
+        if cached is not None and cached[2] == len(self.buckets):
+            return cached[0], cached[1]
+        chunks: list[tuple[int, int, int]] = []
+        chunk_of: dict[int, int] = {}
+        for bi in reversed(range(len(self.buckets))):  # buckets run from the last layers to the first
+            bucket = self.buckets[bi]
+            if bucket.replicated:
+                continue
+            size = torch.empty((), dtype=bucket.dtype).element_size() * self.dp
+            hi, nbytes = len(bucket.slices), 0
+            for lo in reversed(range(len(bucket.slices))):
+                nbytes += bucket.slices[lo].numel * size
+                if nbytes >= GATHER_CHUNK_BYTES or lo == 0:
+                    chunk_of.update({id(s.param): len(chunks) for s in bucket.slices[lo:hi]})
+                    chunks.append((bi, lo, hi))
+                    hi, nbytes = lo, 0
+        self.__dict__["_plan"] = (chunks, chunk_of, len(self.buckets))  # a cache (LightningOptimizer copies __dict__)
+        return chunks, chunk_of
+
     @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """All-gather every rank's master slice into the (replicated) parameters, in their dtype."""
-        pending = []
+    def wait_parameters(self, chunks: Optional[set[int]] = None) -> None:
+        """Finish the parameter all-gathers still in flight after a step, so that the model's parameters hold the
+        stepped weights (e.g. for a callback reading them in ``on_train_batch_end``). `chunks`: only those (the
+        forward pre-hooks' use). Local (launches no collective); a no-op when none is in flight."""
+        plan = self._gather_plan()[0] if self._pending else []
+        for index in sorted(self._pending if chunks is None else chunks & self._pending.keys()):
+            full, work = self._pending.pop(index)
+            work.wait()
+            self._scatter_gathered(*plan[index], full)
+
+    @torch.no_grad()
+    def gather_parameters(self, defer: bool = False) -> None:
+        """All-gather every rank's master slice into the (replicated) parameters, in their dtype. `defer`: leave
+        the gathers in flight, each waited on by the forward of the modules holding its parameters."""
+        self.wait_parameters()
         for bucket, master in zip(self.buckets, self.masters):
             if bucket.replicated:  # every rank stepped the whole (scalar) parameters: nothing to gather
                 for s in bucket.slices:
                     s.param.copy_(bucket.local_view(master, s))
-                continue
-            mine = master.to(bucket.dtype)
-            full = torch.empty(self.dp, bucket.total, dtype=bucket.dtype, device=mine.device)
+        chunks, chunk_of = self._gather_plan()
+        for index, (bi, lo, hi) in enumerate(chunks):
+            bucket, master = self.buckets[bi], self.masters[bi]
+            a, b = bucket.slices[lo].offset, bucket.slices[hi - 1].offset + bucket.slices[hi - 1].numel
+            mine = master[a:b].to(bucket.dtype)
+            full = torch.empty(self.dp, b - a, dtype=bucket.dtype, device=mine.device)
             work = all_gather_into(full.view(-1), mine, group=self.dp_group, async_op=True)
-            pending.append((bucket, full, work))
-        for bucket, full, work in pending:
-            work.wait()
-            for s in bucket.slices:
-                rows = s.param.shape[0]
-                part = full[:, s.offset : s.offset + s.numel]
-                if rows == self.dp * s.chunk_rows and s.param.is_contiguous():
-                    s.param.view(self.dp, s.numel).copy_(part)  # no padding: one strided copy
-                else:
-                    s.param.copy_(part.reshape(self.dp * s.chunk_rows, *s.param.shape[1:])[:rows])
+            self._pending[index] = (full, work)
+        if not defer:
+            self.wait_parameters()
+        else:  # the root's own parameters: a LightningModule's training_step may use them without a forward
+            eager = {chunk_of[id(p)] for p in self._module.parameters(recurse=False) if id(p) in chunk_of}
+            if eager:
+                self.wait_parameters(eager)
+
+    def _scatter_gathered(self, bi: int, lo: int, hi: int, full: torch.Tensor) -> None:
+        bucket = self.buckets[bi]
+        base = bucket.slices[lo].offset
+        for s in bucket.slices[lo:hi]:
+            rows = s.param.shape[0]
+            part = full[:, s.offset - base : s.offset - base + s.numel]
+            if rows == self.dp * s.chunk_rows and s.param.is_contiguous():
+                s.param.view(self.dp, s.numel).copy_(part)  # no padding: one strided copy
+            else:
+                s.param.copy_(part.reshape(self.dp * s.chunk_rows, *s.param.shape[1:])[:rows])
 
     def _copy_model_grads_to_main_grads(self) -> None:
         pass  # `finish_gradient_sync` attached the reduce-scattered slices to the masters
@@ -312,13 +399,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return loss
 
     def _copy_main_params_to_model_params(self) -> None:
-        self.gather_parameters()
+        self.gather_parameters(defer=self.defer_gather)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # the masters' gradients are views of the reduce-scatter output: the next sync overwrites them
-        # (state lives on the buckets: Lightning's LightningOptimizer calls this on a copy of our __dict__)
-        self.grad_buckets.clear()
-        self.hide_model_grads()  # the shown slices, even with set_to_none=False: autograd cannot add to them
+        # the masters' gradients are views of the reduce-scatter output (or of the in-place buffers, zeroed here):
+        # the next sync overwrites them (state lives on the buckets: Lightning's LightningOptimizer calls this on a
+        # copy of our __dict__)
+        MixedPrecisionOptimizer.hide_model_grads(self)  # the shown slices, even with set_to_none=False
+        self.grad_buckets.clear(set_to_none)
         for p in self.model_params:
             if p.grad is not None:
                 if set_to_none:
@@ -340,6 +428,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         `get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)` gives for FSDP2: DTensor slices."""
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+        self.wait_parameters()
         _init_optim_state(self.inner)  # a fresh optimizer has no state tensors to load into yet
         out: dict[str, Any] = {}
         fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
@@ -356,6 +445,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Apply a dict from :meth:`sharded_state_dict` that DCP has filled in place (or re-sliced)."""
+        self.wait_parameters()
         fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
         for group in self.param_groups:
             for master in group["params"]:
@@ -382,11 +472,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def master_state_dict(self) -> dict[str, DTensor]:
         """FQN -> fp32 master slice (DTensor): the exact weights, for sharded checkpoints."""
+        self.wait_parameters()
         return {self.fqn[pid]: master for pid, master in self._shard_of.items()}
 
     @torch.no_grad()
     def refresh_masters_from_parameters(self) -> None:
         """After parameters were loaded directly (e.g. a single-file checkpoint), re-slice the masters."""
+        self.wait_parameters()
         for bucket, master in zip(self.buckets, self.masters):
             for s in bucket.slices:
                 bucket.local_view(master, s).copy_(s.rows_of(s.param.detach()))

@@ -1,0 +1,264 @@
+"""Data-parallel scaling on the example GPT: ddp vs ZeRO 0/1/2/3, and tp=2 vs Lightning's ModelParallelStrategy.
+
+    python benchmarks/scaling.py [--steps 6] [--warmup 2] [--repeats 3] [--arms ddp zero1 ...]
+    python benchmarks/scaling.py --collectives      # gloo: all-reduce vs reduce-scatter vs all-gather, per size
+
+Each repeat is one launch of 2 processes (gloo) running every 2-process arm one after the other, the arms' order
+rotating each repeat (a slow minute of the shared machine hits every arm alike), and a 1-process launch, before or
+after it in turn, for the baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32, AdamW, GPT 4 layers d=256 T=128.
+
+- ``ddp``: Lightning's ``"ddp"``; ``zero0`` .. ``zero3``: ``NPUHybridStrategy(zero_stage=S)`` at dp=2;
+  ``tp2``: ``NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)``; ``model_parallel``: Lightning's
+  ``ModelParallelStrategy(tensor_parallel_size=2)`` with the hand-written plan of benchmarks/tensor_parallel.py.
+- ``step_ms``: median over steps (pooled over repeats) of the slowest rank's wall time of a step; ``cpu_ms`` the
+  busiest rank's process CPU time (less sensitive to other jobs on the cores).
+- ``weak_scaling_efficiency`` = tokens/s of the arm ÷ (world × tokens/s of one process at the same per-rank batch)
+  (for tp2 the per-rank batch is the whole batch: both ranks see it). 1.0: communication fully hidden.
+- ``split_ms``: ``optimizer`` (median wall time from ``on_before_optimizer_step`` to the step's end),
+  ``compute`` (the 1-process arm's forward + backward, same per-rank batch, nothing to wait for) and
+  ``exposed_comm`` (this arm's forward + backward, slowest rank, minus that: every wait on communication the
+  step does not hide: DDP's, ZeRO's bucket reductions, the overlapped parameter all-gather). Timers, not
+  torch.profiler: profiling a 2-process gloo run crashed torch 2.13 (SIGSEGV) here.
+
+The machine is shared: the load average is recorded before and after (``environment.load_average`` and
+``load_after``). Writes benchmarks/results/scaling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+
+from benchmarks._common import environment, write_json  # noqa: E402
+from benchmarks._env import load_average  # noqa: E402
+from lightning_npu.launch import spawn  # noqa: E402
+
+MODEL = dict(n_layer=4, n_head=8, n_embd=256, block_size=128, vocab_size=256, bias=False)
+PER_RANK_BATCH = 4
+DP_ARMS = ["ddp", "zero0", "zero1", "zero2", "zero3"]
+TP_ARMS = ["tp2", "model_parallel"]
+
+
+class Recorder(L.Callback):
+    """Per step after `warmup`: wall and process-CPU time, and the wall time up to ``on_before_optimizer_step``
+    (forward and backward with every wait on communication: DDP's, ZeRO's bucket reductions, the overlapped
+    parameter all-gather) and after it (the optimizer step)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.fwd_bwd: list[float] = []
+        self.optimizer: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+        self._t1 = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._t1 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        t, c = time.perf_counter(), time.process_time()
+        if trainer.global_step - 1 >= self.warmup and self._t1 is not None:
+            self.wall.append(t - self._t0)
+            self.cpu.append(c - self._c0)
+            self.fwd_bwd.append(self._t1 - self._t0)
+            self.optimizer.append(t - self._t1)
+
+
+def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
+    from examples.gpt.data import TextDataModule
+    from examples.gpt.model import GPTModule
+    from lightning_npu import NPUHybridStrategy
+
+    os.environ["WORLD_SIZE"] = os.environ.get("LNPU_BENCH_WORLD", os.environ.get("WORLD_SIZE", "1"))
+    L.seed_everything(0, verbose=False)
+    devices = int(os.environ["WORLD_SIZE"])
+    model: Any = GPTModule(**MODEL)
+    if name == "ddp":
+        strategy: Any = "ddp"
+    elif name.startswith("zero"):
+        strategy = NPUHybridStrategy(zero_stage=int(name[-1]))
+    elif name == "tp2":
+        strategy = NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)
+    elif name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from benchmarks.tensor_parallel import _hand_tp_module
+
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+        model = _hand_tp_module()(**MODEL)
+    else:  # "single": one process
+        strategy = NPUHybridStrategy()
+    recorder = Recorder(warmup)
+    data = TextDataModule(block_size=MODEL["block_size"], batch_size=PER_RANK_BATCH, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
+                        max_steps=warmup + steps, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder])
+    trainer.fit(model, datamodule=data)
+    return {"wall": recorder.wall, "cpu": recorder.cpu, "fwd_bwd": recorder.fwd_bwd, "optimizer": recorder.optimizer,
+            "loss": float(trainer.callback_metrics["train_loss"])}
+
+
+def _worker(arms: list[str], repeat: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Every arm once, in an order rotated by `repeat` (and reversed every other repeat)."""
+    os.environ["LNPU_BENCH_WORLD"] = os.environ["WORLD_SIZE"]
+    out: dict[str, list[dict]] = {a: [] for a in arms}
+    order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
+    for arm in (order if repeat % 2 == 0 else order[::-1]):
+        out[arm].append(_arm(arm, steps, warmup))
+    return {"runs": out}
+
+
+def _merge(parts: list[list[dict]]) -> list[dict]:
+    """Per rank, the runs of several launches (one per repeat) as if from one."""
+    merged = [{"runs": {}} for _ in parts[0]]
+    for part in parts:
+        for rank, result in zip(merged, part):
+            for arm, runs in result["runs"].items():
+                rank["runs"].setdefault(arm, []).extend(runs)
+    return merged
+
+
+def _collectives(sizes_mib: list[float], iters: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_npu.parallel.collectives import all_gather_into, reduce_scatter_into
+
+    world = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for mib in sizes_mib:
+        n = int(mib * 2**20 / 4) // world * world
+        x = torch.randn(n)
+        part = torch.empty(n // world)
+        full = torch.empty(n)
+        ops = {"all_reduce": lambda: dist.all_reduce(x),
+               "reduce_scatter": lambda: reduce_scatter_into(part, x),
+               "all_gather": lambda: all_gather_into(full, part)}
+        row: dict[str, float] = {}
+        for _ in range(2):  # warm-up
+            for op in ops.values():
+                op()
+        times: dict[str, list[float]] = {k: [] for k in ops}
+        for i in range(iters):
+            for name in (list(ops) if i % 2 == 0 else list(ops)[::-1]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                ops[name]()
+                times[name].append(1e3 * (time.perf_counter() - t0))
+        for name, ts in times.items():
+            row[f"{name}_ms"] = statistics.median(ts)
+        out[f"{mib:g}MiB"] = row
+    return out
+
+
+def _collectives_worker(sizes: list[float], iters: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        return _collectives(sizes, iters)
+    finally:
+        dist.destroy_process_group()
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per arm and repeat")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arms", nargs="*", default=DP_ARMS + TP_ARMS)
+    parser.add_argument("--collectives", action="store_true", help="only time gloo's collectives")
+    parser.add_argument("--out", default="scaling.json")
+    args = parser.parse_args()
+
+    if args.collectives:
+        sizes = [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]
+        result = spawn(_collectives_worker, 2, sizes, 10)[0]
+        path = write_json("scaling_collectives.json", {"benchmark": "scaling --collectives", "world": 2,
+                                                       "backend": "gloo", "median_ms": result})
+        for size, row in result.items():
+            print(size, "  ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        print(f"wrote {path}")
+        return
+
+    started = time.time()
+    env = environment()
+    singles, twos = [], []
+    for r in range(args.repeats):  # the 1-process baseline alternates with the 2-process launches too
+        launches = [lambda: singles.append(spawn(_worker, 1, ["single"], r, args.steps, args.warmup, threads=1)),
+                    lambda: twos.append(spawn(_worker, 2, args.arms, r, args.steps, args.warmup, threads=1))]
+        for launch in (launches if r % 2 == 0 else launches[::-1]):
+            launch()
+    single, two = _merge(singles)[0], _merge(twos)
+    tokens = PER_RANK_BATCH * MODEL["block_size"]
+
+    def row(ranks: list[dict], arm: str, world: int, global_batch_ranks: int) -> dict[str, Any]:
+        walls, cpus, fwd_bwd, optim = [], [], [], []
+        for rep in range(len(ranks[0]["runs"][arm])):
+            per_rank = [r["runs"][arm][rep] for r in ranks]
+            walls += [max(ts) for ts in zip(*(p["wall"] for p in per_rank))]
+            cpus += [max(ts) for ts in zip(*(p["cpu"] for p in per_rank))]
+            fwd_bwd += [max(ts) for ts in zip(*(p["fwd_bwd"] for p in per_rank))]
+            optim += [max(ts) for ts in zip(*(p["optimizer"] for p in per_rank))]
+        step, cpu = _median(walls), _median(cpus)
+        tps = tokens * global_batch_ranks / step
+        return {"step_ms": 1e3 * step, "cpu_ms": 1e3 * cpu, "tokens_per_s": tps, "tokens_per_cpu_s":
+                tokens * global_batch_ranks / cpu, "timed_steps": len(walls), "world": world,
+                "forward_backward_ms": 1e3 * _median(fwd_bwd), "optimizer_ms": 1e3 * _median(optim),
+                "final_loss": ranks[0]["runs"][arm][-1]["loss"]}
+
+    results = {"single": row([single], "single", 1, 1)}
+    for arm in args.arms:
+        results[arm] = row(two, arm, 2, 1 if arm in TP_ARMS else 2)
+    base = results["single"]
+    for arm, r in results.items():
+        r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["world"] * base["tokens_per_s"])
+        r["weak_scaling_efficiency_cpu"] = r["tokens_per_cpu_s"] / (r["world"] * base["tokens_per_cpu_s"])
+        # one process at the same per-rank batch computes the same forward/backward with nothing to wait for
+        r["split_ms"] = {"compute": base["forward_backward_ms"], "optimizer": r["optimizer_ms"],
+                         "exposed_comm": r["forward_backward_ms"] - base["forward_backward_ms"]}
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> Any:
+        return results[a][key] / results[b][key] if a in results and b in results else None
+
+    summary = {
+        "zero1_over_ddp": ratio("zero1", "ddp"), "zero1_over_ddp_cpu": ratio("zero1", "ddp", "tokens_per_cpu_s"),
+        "zero0_over_ddp": ratio("zero0", "ddp"), "zero0_over_ddp_cpu": ratio("zero0", "ddp", "tokens_per_cpu_s"),
+        "tp2_over_model_parallel": ratio("tp2", "model_parallel"),
+        "tp2_over_model_parallel_cpu": ratio("tp2", "model_parallel", "tokens_per_cpu_s"),
+        "efficiency": {arm: r["weak_scaling_efficiency"] for arm, r in results.items()},
+    }
+    payload = {"benchmark": "scaling", "model": MODEL, "per_rank_batch": PER_RANK_BATCH, "precision": "32-true",
+               "optimizer": "AdamW", "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+               "environment": env, "load_after": load_average(),
+               "wall_s": time.time() - started, "results": results, "summary": summary}
+    path = write_json(args.out, payload)
+    print(f"load before {env.get('load_average_1_5_15min')} after {payload['load_after']}, {payload['wall_s']:.0f} s")
+    print(f"{'arm':16s} {'step ms':>8s} {'cpu ms':>7s} {'tok/s':>7s} {'eff':>5s}  split ms (compute/optimizer/exposed comm)")
+    for arm, r in results.items():
+        s = r["split_ms"]
+        print(f"{arm:16s} {r['step_ms']:8.1f} {r['cpu_ms']:7.1f} {r['tokens_per_s']:7.0f} "
+              f"{r['weak_scaling_efficiency']:5.3f}  {s['compute']:.0f}/{s['optimizer']:.0f}/{s['exposed_comm']:.0f}")
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items() if k != "efficiency"})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
