@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
 _HERE = Path(__file__).parent
 if str(_HERE) not in sys.path:  # Lightning's tests import their helpers as `tests_pytorch.helpers...`
@@ -82,6 +83,9 @@ def npu_hybrid_trainer(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     stage, init = request.param, Trainer.__init__
     if stage == "lightning":
         return stage
+    # A swapped one-device Trainer gets the popen launcher (Lightning's own "auto" has none), whose child-process
+    # observer polls every 5 s; Lightning's thread police joins it after each test. Poll fast: 5 s per test saved.
+    monkeypatch.setattr(_ChildProcessObserver.__init__, "__defaults__", (0.1,))
 
     def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **_swap(stage, kwargs))
