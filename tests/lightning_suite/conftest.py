@@ -40,6 +40,90 @@ EXPECTED: dict[str, str] = {
         "the fp32 masters and ZeRO-1 buckets, so only the class test differs"
     ),
 }
+_MARKER = (
+    "it lists the checkpoint directory or counts its files: every npu_hybrid checkpoint is committed with a marker "
+    "beside it (`<name>.complete`: sizes and CRC32s, what makes a checkpoint trusted on load, docs/checkpoints.md)"
+)
+for _name in (
+    "test_check_val_every_n_epochs_top_k_integration", "test_checkpoint_repeated_strategy",
+    "test_ckpt_every_n_train_steps", "test_ckpt_version_after_rerun_new_trainer",
+    "test_ckpt_version_after_rerun_same_trainer", "test_ckpt_version_counter_disabled_after_rerun_new_trainer",
+    "test_default_checkpoint_behavior", "test_model_checkpoint_every_n_epochs", "test_model_checkpoint_file_extension",
+    "test_model_checkpoint_save_last", "test_model_checkpoint_save_last_none_monitor",
+    "test_model_checkpoint_topk_all", "test_model_checkpoint_topk_zero", "test_model_checkpoint_train_time_interval",
+    "test_model_checkpoint_with_non_string_input", "test_none_monitor_not_alternating",
+    "test_none_monitor_saves_correct_best_model_path", "test_resume_and_old_checkpoint_files_remain",
+    "test_resume_training_preserves_old_ckpt_last", "test_save_last_saves_correct_last_model_path",
+    "test_save_last_versioning", "test_val_check_interval_checkpoint_files", "test_ckpt_metric_names",
+):
+    EXPECTED[f"checkpointing/test_model_checkpoint.py::{_name}"] = _MARKER
+EXPECTED["checkpointing/test_trainer_checkpoint.py::test_finetuning_with_ckpt_path"] = _MARKER
+EXPECTED.update({
+    "checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options": (
+        "it mocks the CheckpointIO's `save_checkpoint`, so nothing is written; the strategy's commit then refuses to "
+        "mark a checkpoint that is not on disk (the call with `storage_options` itself reaches the plugin; ZeRO-3's "
+        "sharded directory refuses `storage_options` with a TypeError naming the fix)"
+    ),
+    "models/test_hooks.py::test_load_from_checkpoint_hook_calls": (
+        "the checkpoint dict the hooks see holds HybridPrecision's state under its class name (precision, skipped "
+        "steps, the loss scale), as Lightning's MixedPrecision holds its GradScaler's"
+    ),
+    "strategies/test_ddp.py::test_ddp_configure_ddp": (
+        "it asserts a DDP wrapper at one device: npu_hybrid wraps in DDP only with more than one replica (ZeRO 0/1)"
+    ),
+    "strategies/test_ddp.py::test_ddp_kwargs_from_registry": "it asserts DDPStrategy's registry entries' kwargs",
+    "strategies/test_ddp.py::test_set_timeout": (
+        "it mocks torch.distributed's init_process_group; the strategy then builds its device mesh, which needs a "
+        "real process group"
+    ),
+    "strategies/test_ddp.py::test_device_id_passed_for_cuda_devices_pytorch": (
+        "it mocks torch.distributed's init_process_group (CUDA device ids); the strategy then builds its device mesh, "
+        "which needs a real process group"
+    ),
+})
+for _name in ("test_trainer_model_hook_system_fit", "test_trainer_model_hook_system_fit_no_val_and_resume_max_epochs",
+              "test_trainer_model_hook_system_fit_no_val_and_resume_max_steps"):
+    EXPECTED[f"models/test_hooks.py::{_name}"] = EXPECTED["models/test_hooks.py::test_load_from_checkpoint_hook_calls"]
+
+# ZeRO-3 only: the default checkpoint form there is a sharded DCP directory (save_distributed_checkpoint=None)
+_SHARDED = (
+    "at ZeRO-3 a checkpoint is a sharded DCP directory by default, which it opens as one file (`torch.load`, "
+    "`os.path.isfile`) or whose writes it counts through a mocked `torch.save`; `save_distributed_checkpoint=False` "
+    "gives one file"
+)
+EXPECTED_AT: dict[int, dict[str, str]] = {3: {f"checkpointing/{t}": _SHARDED for t in (
+    "test_checkpoint_callback_frequency.py::test_default_checkpoint_freq",
+    "test_checkpoint_callback_frequency.py::test_top_k",
+    "test_model_checkpoint.py::test_current_score",
+    "test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations",
+    "test_model_checkpoint.py::test_model_checkpoint_on_exception_in_other_callbacks",
+    "test_model_checkpoint.py::test_model_checkpoint_on_exception_parametrized",
+    "test_model_checkpoint.py::test_model_checkpoint_on_exception_run_condition_on_train_batch_start",
+    "test_model_checkpoint.py::test_model_checkpoint_save_last_checkpoint_contents",
+    "test_model_checkpoint.py::test_model_checkpoint_score_and_ckpt",
+    "test_model_checkpoint.py::test_model_checkpoint_score_and_ckpt_val_check_interval",
+)}}
+EXPECTED_AT[3]["checkpointing/test_torch_saving.py::test_model_torch_save"] = (
+    "`torch.save(trainer.model)` after ZeRO-3 training: FSDP2 makes each sharded module's class a generated subclass "
+    "(`FSDPLinear`), which pickle cannot find by name; ZeRO 0/1 modules pickle"
+)
+
+# Lightning's own tests that need TensorBoard (not installed here): skipped, as they would fail without the swap too
+NEEDS_TENSORBOARD = {
+    "checkpointing/test_model_checkpoint.py::test_checkpoint_repeated_strategy_extended",
+    "checkpointing/test_model_checkpoint.py::test_model_checkpoint_path",
+    "trainer/logging_/test_eval_loop_logging.py::test_eval_step_logging",
+    "trainer/logging_/test_eval_loop_logging.py::test_logging_multi_dataloader_on_epoch_end",
+    "trainer/logging_/test_eval_loop_logging.py::test_validation_step_log_with_tensorboard",
+    "trainer/logging_/test_train_loop_logging.py::test_log_metrics_epoch_step_values",
+    "trainer/logging_/test_train_loop_logging.py::test_log_on_train_start",
+}
+
+
+def _has_tensorboard() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
 
 
 def _enabled(config: pytest.Config) -> bool:
@@ -59,7 +143,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Confi
         item.add_marker(pytest.mark.lightning_suite)
         base = item.nodeid.split("tests_pytorch/", 1)[-1].replace("[zero1]", "").replace("[zero3]", "")
         base = base.replace("-zero1]", "]").replace("-zero3]", "]")
-        reason = EXPECTED.get(base) or EXPECTED.get(base.split("[", 1)[0])
+        stage = 3 if "zero3" in item.nodeid else 1 if "zero1" in item.nodeid else None
+        at = EXPECTED_AT.get(stage, {})
+        short = base.split("[", 1)[0]
+        if short in NEEDS_TENSORBOARD and not _has_tensorboard():
+            item.add_marker(pytest.mark.skip(reason="needs tensorboard or tensorboardX (Lightning's own test)"))
+        reason = EXPECTED.get(base) or EXPECTED.get(short) or at.get(base) or at.get(short)
         if reason is not None:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
 
@@ -92,6 +181,9 @@ def npu_hybrid_trainer(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     # A swapped one-device Trainer gets the popen launcher (Lightning's own "auto" has none), whose child-process
     # observer polls every 5 s; Lightning's thread police joins it after each test. Poll fast: 5 s per test saved.
     monkeypatch.setattr(_ChildProcessObserver.__init__, "__defaults__", (0.1,))
+    # Lightning's conftest makes every LightningDeprecationWarning an error; HybridPrecision's one (the bare metric
+    # names, once per process, first logged under gradient clipping) is the project's own, announced in CHANGELOG
+    monkeypatch.setattr("lightning_npu.precision.hybrid._legacy_warned", True)
 
     def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **_swap(stage, kwargs))
