@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 def free_port() -> int:
@@ -73,3 +75,20 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | No
         # not a checkpoint: any picklable return value of `fn`, written by this call's own workers into a private
         # (0700) temporary directory, so weights_only=False here trusts nothing but this process's children
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+class FullStateMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, handing the main process the trained weights as full tensors in the model's
+    original layout (rank 0's own `state_dict` holds only its ZeRO-3/tp shards, or one pipeline stage), so that the
+    main process's module is the trained one, as under ``"ddp_spawn"``."""
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        from lightning_npu.parallel.checkpoint.full_state import full_state_dict
+
+        if trainer.state.fn != TrainerFn.FITTING:
+            return super()._collect_rank_zero_results(trainer, results)
+        state = full_state_dict(trainer.lightning_module)  # a collective: every rank
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            self._strategy.checkpoint_io.save_checkpoint(state, output.weights_path)
+        return output

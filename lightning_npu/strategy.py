@@ -25,10 +25,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_npu import device as dev
 from lightning_npu.accelerator import NPUAccelerator, log_availability
+from lightning_npu.launch import FullStateMultiProcessingLauncher
 from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
@@ -58,6 +60,7 @@ from lightning_npu.parallel.optim.mixed_precision import (
     unwrap_optimizer,
     wrap_lr_schedulers,
 )
+from lightning_npu.parallel.optim.rebind import parameters_by_id, rebind
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
 from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
@@ -213,6 +216,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._restored_from_file = False
         self._bound_metrics: list[Any] = []  # the torchmetrics `Metric`s `setup` gave the dp group
         self._context_parallel: Any = None  # lightning_npu.parallel.context_parallel.runtime.ContextParallel (cp > 1)
+        self._params_before: Optional[dict[int, Any]] = None  # the model's parameters before `parallelize`
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -229,6 +233,11 @@ class NPUHybridStrategy(DDPStrategy):
         # The Trainer calls this as soon as it knows the devices: a bad layout fails at `Trainer(...)`.
         if self.cluster_environment is not None and self.parallel_devices:
             self.parallel_config.resolve(self.world_size)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":  # spawn/fork: the main process gets full tensors (`launch`)
+            self._launcher = FullStateMultiProcessingLauncher(self, start_method=self._start_method)
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or dev.comm_backend(self.root_device.type)
@@ -293,6 +302,7 @@ class NPUHybridStrategy(DDPStrategy):
     # ---- model and optimizers -----------------------------------------------------------
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         cfg = self.parallel_config
+        self._params_before = parameters_by_id(model)  # an optimizer made before this is rebound in setup_optimizers
         result = parallelize(
             model, self.device_mesh, cfg,
             tp_plan=self._plan_tensor_parallel() if cfg.tensor_parallel_size > 1 else None,
@@ -311,6 +321,12 @@ class NPUHybridStrategy(DDPStrategy):
         self._grad_sync = result.grad_sync
         self._buffer_sync = result.buffer_sync
         return result.model
+
+    def _register_ddp_hooks(self) -> None:
+        """Lightning's DDP comm hooks (CUDA only) go on a DDP wrapper; most layouts have none (one replica, ZeRO 1-3,
+        pp), where Lightning's own assertion would fail."""
+        if isinstance(self.model, DistributedDataParallel):
+            super()._register_ddp_hooks()
 
     # ---- tensor parallelism (lightning_npu.parallel.tensor_parallel) ------------------------------
     def _plan_tensor_parallel(self) -> Any:
@@ -413,6 +429,9 @@ class NPUHybridStrategy(DDPStrategy):
                 "zero_stage=3 (or 2, or 0), or unfreeze and call `optimizer.add_param_group` from your own callback."
             )
         super().setup_optimizers(trainer)
+        if self._params_before is not None:
+            rebind([unwrap_optimizer(o) for o in self.optimizers], self._params_before, self.lightning_module)
+            self._params_before = None
         self._wrap_optimizers()
         self._grad_sync.bind(self._distributed_optimizers(), self._pipeline)
 
@@ -675,6 +694,7 @@ class NPUHybridStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._restored_from_file or self._without_optimizer:
             return
+        self._restore_finetuning_groups()
         checkpoint = ckpt_format.own_optimizer_states(self.lightning_module, self.optimizers, dict(checkpoint))
         if is_fully_sharded(self.lightning_module):  # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -690,6 +710,16 @@ class NPUHybridStrategy(DDPStrategy):
             shard_optimizer_state(self.lightning_module, params(opt), s)
             for opt, s in zip(self.optimizers, checkpoint["optimizer_states"])]}
         super().load_optimizer_state_dict(checkpoint)
+
+    def _restore_finetuning_groups(self) -> None:
+        """Lightning's `BaseFinetuning` puts back the param groups it had added in `on_fit_start`, which under
+        Lightning's own strategies runs after the checkpoint's callback states load and before its optimizer states do.
+        Here the checkpoint is restored after setup (`restore_checkpoint_after_setup`), so after `on_fit_start`: the
+        groups are put back here, before the optimizer state (saved with them) loads."""
+        trainer = self.lightning_module.trainer
+        for callback in trainer.callbacks:
+            if isinstance(callback, BaseFinetuning) and callback._restarting:
+                callback.on_fit_start(trainer, self.lightning_module)
 
     def teardown(self) -> None:
         if self._ckpt_writer is not None:

@@ -56,7 +56,7 @@ from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 class Parallelized:
     """What `parallelize` made: the module Lightning keeps, this rank's pipeline, the gradient sync."""
 
-    model: nn.Module  # a DDP wrapper under zero 0 at pp = 1, else the LightningModule itself
+    model: nn.Module  # a DDP wrapper under zero 0/1 at pp = 1 with more than one replica, else the LightningModule
     pipeline: Any = None  # pipeline.PipelineRunner when pp > 1
     grad_sync: gs.GradientSync = field(default_factory=gs.GradientSync)
     fusion_report: Any = None
@@ -202,6 +202,11 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
                                      overlap=False, compressor=compressor, hierarchy=hierarchy)  # the schedule runs backward per micro-batch
         pipeline.grad_listeners = [buckets.params_ready]  # so reduce per stage, after its last micro-batch backward
         return model, gs.BucketedGradientSync(buckets)
+    if cfg.replicas == 1 and compressor is None:
+        # one replica: nothing to reduce, so no DDP wrapper, which would refuse what one device allows (a fully
+        # frozen model, parameters unused in forward) and tie the module to a process group (torch.save(model))
+        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ())
+        return model, gs.GradientSync()
     if expert_names:  # each rank's own experts: not averaged over dp by DDP (`ExpertGradientSync` reduces them)
         model._ddp_params_and_buffers_to_ignore = list(expert_names)
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)

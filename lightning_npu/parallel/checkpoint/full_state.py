@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, by_name, by_position, nested, reindexed
+from lightning_npu.parallel.checkpoint.optim_state import (
+    STATE_PREFIX,
+    by_name,
+    by_position,
+    initialised_state,
+    nested,
+    reindexed,
+)
 from lightning_npu.parallel.checkpoint.sharded import optimizer_state_dict
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
@@ -153,8 +160,9 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict
                              "differs); resume with the same `configure_optimizers`.")
         flat, groups = by_name(state_dict, fqns)
         flat = tp_shards.refuse_fused(flat, tp_shards.fused_layout(module), STATE_PREFIX)
-        set_optimizer_state_dict(module, optimizer, {"state": nested(flat), "param_groups": groups},
-                                 options=StateDictOptions(full_state_dict=True))
+        with initialised_state(optimizer):
+            set_optimizer_state_dict(module, optimizer, {"state": nested(flat), "param_groups": groups},
+                                     options=StateDictOptions(full_state_dict=True))
 
 
 def select_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict[str, Any],

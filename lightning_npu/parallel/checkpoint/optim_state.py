@@ -8,7 +8,10 @@ only its part of the groups), names do not, so every conversion goes through the
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
 
 STATE_PREFIX = "state."
 
@@ -61,3 +64,32 @@ def reindexed(state_dict: dict[str, Any], saved_fqns: list[str], own: list[list[
     groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": fqns}
               for fqns, saved in zip(own, state_dict["param_groups"])]
     return by_position(groups, flat)
+
+
+@contextmanager
+def initialised_state(optimizer: Any) -> Iterator[None]:
+    """DCP's `get/set_optimizer_state_dict` first give an optimizer without state (SGD without momentum, or before its
+    first step) zero gradients and step it at lr 0, then call the *user's* ``zero_grad``: a callback counting or
+    mocking it (Lightning's accumulation tests) sees a call no training step made. The same here, except that the
+    zero gradients stay while DCP runs (it then skips its own) and are dropped directly afterwards."""
+    if optimizer.state or any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        yield
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step(closure=None)
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if "lr" in g:
+                g["lr"] = lr
+    try:
+        yield
+    finally:
+        for p in params:
+            p.grad = None

@@ -73,7 +73,7 @@ from torch.optim import Optimizer
 from lightning_npu.parallel.checkpoint import commit as _commit
 from lightning_npu.parallel.checkpoint.commit import ChecksumStream, CommitRequest, checksums_enabled, temp_path
 from lightning_npu.parallel.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError
-from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, split_state_key
+from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, initialised_state, split_state_key
 from lightning_npu.parallel.checkpoint.safe_load import (
     META_FILENAME,
     _PathLike,
@@ -124,7 +124,8 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[
     local = unwrap_optimizer(optimizer)
     if hasattr(local, "sharded_state_dict"):
         return local.sharded_state_dict()  # ZeRO-1 DistributedOptimizer: DTensor slices
-    osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
+    with initialised_state(local):
+        osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
     params = dict(module.named_parameters(remove_duplicate=False))
     for key, value in osd.items():
         if key.startswith(STATE_PREFIX):
@@ -168,7 +169,8 @@ def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: d
     if hasattr(local, "load_sharded_state_dict"):
         local.load_sharded_state_dict(state)
         return
-    set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
+    with initialised_state(local):
+        set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
 
 
 # ---- paths ------------------------------------------------------------------------------------

@@ -168,6 +168,21 @@ class MixedPrecisionOptimizer(Optimizer):
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
 
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The user's optimizer's groups, always: one that rebinds them (Lightning's `BaseFinetuning` restoring the
+        groups it added, torch's `load_state_dict`) rebinds the user's optimizer's, which LR schedulers hold."""
+        inner = vars(self).get("optimizer")
+        return vars(self)["_own_groups"] if inner is None else inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        inner = vars(self).get("optimizer")
+        if inner is None:  # torch's Optimizer.__init__ (the placeholder group)
+            vars(self)["_own_groups"] = groups
+        else:
+            inner.param_groups = groups
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A new group while training (Lightning's `BaseFinetuning` unfreezing layers) goes to the user's optimizer,
         whose groups this wrapper shares (LR schedulers and `LearningRateMonitor` see it); its 16-bit parameters get
