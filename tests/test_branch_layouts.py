@@ -27,6 +27,8 @@ TWO = {
     "resume": BranchCase(TEXT1, steps=3, resume="two"),
     "resume without branches": BranchCase({"tensor_parallel_size": 2, "zero_stage": 0}, steps=3, resume="two"),
     "onebit": BranchCase(ONEBIT, **LONG),
+    "onebit save": BranchCase(ONEBIT, steps=2, samples=12, save="onebit"),
+    "onebit resume": BranchCase(ONEBIT, resume="onebit", **LONG),
     "uncompressed": BranchCase(TEXT1, **LONG),
     "batch of 3": BranchCase(TEXT1, steps=1, batch=3, samples=3),
 }
@@ -81,6 +83,10 @@ def test_onebit_on_the_text_tower_only(runs):
         a = sum(onebit["logged"][3 * epoch:3 * epoch + 3]) / 3
         b = sum(plain["logged"][3 * epoch:3 * epoch + 3]) / 3
         assert abs(a - b) < 0.5, (epoch, a, b)
+    # each rank's error-feedback residuals are in the checkpoint: the resumed run is the uninterrupted one
+    resumed = rank0["onebit resume"]
+    assert compare({**onebit, "logged": onebit["logged"][2:]}, resumed)["state"] <= STATE_ATOL
+    assert resumed["logged"] == pytest.approx(onebit["logged"][2:], rel=LOSS_RTOL)
 
 
 def test_batch_not_divisible_by_branch_dp_is_refused(runs):
