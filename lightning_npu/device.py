@@ -134,6 +134,33 @@ def synchronize(device: torch.device | str) -> None:
         torch.get_device_module(device.type).synchronize(device)
 
 
+def side_stream(device: torch.device | str) -> Any:
+    """A new stream on `device` for work that overlaps the current stream (host-to-device copies), or None where
+    the device has no streams (CPU): callers then run the work inline."""
+    device = torch.device(device)
+    if device.type == CPU:
+        return None
+    module = torch.get_device_module(device.type)
+    return module.Stream(device=device) if hasattr(module, "Stream") else None
+
+
+def stream_context(stream: Any) -> Any:
+    """Make `stream` current (a context manager); a null context for None."""
+    import contextlib
+
+    if stream is None:
+        return contextlib.nullcontext()
+    return torch.get_device_module(stream.device.type).stream(stream)
+
+
+def current_stream(device: torch.device | str) -> Any:
+    """The device's current stream, or None on CPU."""
+    device = torch.device(device)
+    if device.type == CPU:
+        return None
+    return torch.get_device_module(device.type).current_stream(device)
+
+
 def empty_cache(device_type: str) -> None:
     if device_type != CPU:
         torch.get_device_module(device_type).empty_cache()

@@ -31,6 +31,8 @@ from typing_extensions import override
 from lightning_npu import device as dev
 from lightning_npu.accelerator import NPUAccelerator, log_availability
 from lightning_npu.launch import FullStateMultiProcessingLauncher
+from lightning_npu.parallel.branch.apply import plan_branch
+from lightning_npu.parallel.branch.spec import in_branch, match_branches, without_branches
 from lightning_npu.parallel.checkpoint import commit as ckpt_commit
 from lightning_npu.parallel.checkpoint import formats as ckpt_format
 from lightning_npu.parallel.checkpoint import safe_load
@@ -88,6 +90,11 @@ class NPUHybridStrategy(DDPStrategy):
             rank i keeps the load-balanced chunks i and 2cp-1-i, attention all-gathers K/V over cp, the loss is
             averaged over every token and gradients over dp x cp (`lightning_npu.parallel.context_parallel`). With
             dp, tp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
+        branch_layouts: ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0}}``:
+            a submodule (a CLIP tower) with its own (branch dp x branch tp) inside each top-level tp group: sharded
+            at tp N, its input batch split over the tp / N branch-dp ranks and its output all-gathered, its gradients
+            summed over them (compressed as its ``gradient_compression`` says). N must divide tensor_parallel_size;
+            with zero_stage 0 or 1, without pp, ep or sequence_parallel (docs/layouts.md).
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
             number of experts. With ``zero_stage`` 0, 2 or 3, tp and pp (not ZeRO-1 yet).
@@ -164,6 +171,7 @@ class NPUHybridStrategy(DDPStrategy):
         save_distributed_checkpoint: Union[None, bool, Literal["auto"]] = None,
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        branch_layouts: Optional[dict] = None,
     ) -> None:
         ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save,
                                               save_distributed_checkpoint)
@@ -186,6 +194,7 @@ class NPUHybridStrategy(DDPStrategy):
             hierarchical_allreduce=hierarchical_allreduce,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            branch_layouts=branch_layouts,
         )
         super().__init__(
             process_group_backend=process_group_backend,
@@ -205,6 +214,7 @@ class NPUHybridStrategy(DDPStrategy):
         self.save_distributed_checkpoint = save_distributed_checkpoint
         # lightning_npu.parallel.tensor_parallel.plan.TensorParallelPlan once the model is known (tp > 1); str() reports it
         self.tp_report: Any = None
+        self.branch_plans: Any = None  # (module name, BranchLayout, tp plan) per branch (`_plan_branches`)
         # lightning_npu.parallel.pipeline_parallel.plan.PipelinePlan / PipelineRunner once the model is known (pp > 1)
         self.pipeline_plan: Any = None
         self._pipeline: Any = None
@@ -257,6 +267,7 @@ class NPUHybridStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         dev.configure_allocator(self.root_device.type)  # before the process's first device allocation
+        self._plan_branches()  # so do branch globs that match nothing, or a branch tp that does not fit its heads
         self._plan_tensor_parallel()  # a tp plan that does not fit the model fails before any process group
         self._plan_pipeline()  # so does a pipeline split (pp larger than the blocks, no pipeline_loss, ...)
         super().setup_environment()
@@ -313,6 +324,7 @@ class NPUHybridStrategy(DDPStrategy):
             ddp_kwargs=self._ddp_kwargs,
             pipeline=self._pipeline if self._pipeline is not None and self._pipeline.module is model else None,
             hierarchy=self.hierarchy,
+            branches=self._plan_branches(),
         )
         self.fusion_report = result.fusion_report
         self.recompute_report = result.recompute_report
@@ -337,10 +349,27 @@ class NPUHybridStrategy(DDPStrategy):
             module = self.lightning_module
             if module is None or not any(True for _ in module.parameters()):
                 return None  # the model is built in configure_model: planned in _setup_model
+            names = [name for name, _, _ in self._plan_branches() or ()]
             self.tp_report = plan_tensor_parallel(
-                module, cfg.tensor_parallel_size, cfg.tp_plan, sequence_parallel=cfg.sequence_parallel
+                module, cfg.tensor_parallel_size, without_branches(cfg.tp_plan, module, names),
+                sequence_parallel=cfg.sequence_parallel
             )
+            self.tp_report.replicated = [f for f in self.tp_report.replicated if not in_branch(f, names)]
         return self.tp_report
+
+    def _plan_branches(self) -> Optional[list[tuple[str, Any, Any]]]:
+        """``(module name, BranchLayout, its tp plan)`` of each `branch_layouts` match (`parallel.branch`), once the
+        model has parameters; None before."""
+        branches = self.parallel_config.branches
+        if not branches:
+            return None
+        if self.branch_plans is None:
+            module = self.lightning_module
+            if module is None or not any(True for _ in module.parameters()):
+                return None  # the model is built in configure_model: planned in _setup_model
+            self.branch_plans = [(name, layout, plan_branch(module.get_submodule(name), name, layout))
+                                 for name, layout in match_branches(module, branches)]
+        return self.branch_plans
 
     def _distributed_optimizers(self) -> list[Any]:
         return [o for o in (unwrap_optimizer(o) for o in self.optimizers) if isinstance(o, DistributedOptimizer)]

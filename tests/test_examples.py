@@ -81,3 +81,26 @@ def test_gpu_mfu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert arms["npu_hybrid_fuse_ops"]["losses"] == pytest.approx(arms["ddp"]["losses"], rel=1e-3)
     assert result["n_params"] > 0 and result["flops_per_token"] > 6 * result["n_matmul_params"]
     assert (tmp_path / "gpu_mfu_cpu.json").is_file()
+
+
+def test_clip_config_trains_with_branch_layouts(tmp_path):
+    """examples/clip: the vision tower at tp=2, the text tower at tp=1 over 2 branch-dp ranks, 1-bit compressed."""
+    config = yaml.safe_load((ROOT / "examples/clip/config.yaml").read_text())
+    layout = config["trainer"]["strategy"]["init_args"]
+    assert layout["tensor_parallel_size"] == 2 and config["trainer"]["devices"] == 2
+    assert layout["branch_layouts"] == {"model.text_model": {"tensor_parallel_size": 1,
+                                                             "gradient_compression": "onebit"}}
+    cli = Path(sys.executable).with_name("lightning-npu")
+    cmd = [str(cli)] if cli.exists() else [sys.executable, "-m", "lightning_npu.cli"]
+    cmd += ["fit", "--config", "examples/clip/config.yaml", "--trainer.max_steps", "2",
+            "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.num_workers", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "Starting with 2 processes" in out and "`Trainer.fit` stopped: `max_steps=2` reached." in out
+    tensors = checkpoint_tensor_metadata(tmp_path / "checkpoints" / "step=00000002.ckpt")
+    # the vision tower is split over the 2 ranks, the text tower (tp=1 in its branch) is whole on each
+    assert len(tensors["state_dict.model.vision_model.encoder.layers.0.mlp.fc1.weight"].chunks) == 2
+    assert len(tensors["state_dict.model.text_model.encoder.layers.0.mlp.fc1.weight"].chunks) == 1

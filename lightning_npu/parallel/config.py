@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_npu.ops.verdicts import PATTERNS
+from lightning_npu.parallel.branch.spec import check_with_layout, parse_branch_layouts
 from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
 from lightning_npu.parallel.errors import CompressionConfigError, ParallelConfigError
 from lightning_npu.validate import check_bool, check_choice, check_int, check_number
@@ -122,6 +123,7 @@ class ParallelConfig:
     hierarchical_allreduce: Union[str, bool] = "auto"
     process_group_backend: Optional[str] = None
     timeout: Optional[timedelta] = None
+    branch_layouts: Optional[dict] = None
     # filled in by `resolve(world_size)`
     resolved_dp: Optional[int] = field(default=None, repr=False)
 
@@ -205,6 +207,7 @@ class ParallelConfig:
         _check_backend(self.process_group_backend)
         if self.context_parallel_size > 1:
             self._check_context_layout()
+        check_with_layout(self.branches, self)
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
@@ -334,6 +337,11 @@ class ParallelConfig:
                 "ep group is carved from the dp ranks; choose an expert_parallel_size that divides it.")
         self.resolved_dp = dp
         return self
+
+    @property
+    def branches(self) -> list:
+        """`branch_layouts` parsed (`branch.spec.BranchLayout`s, in the dict's order)."""
+        return parse_branch_layouts(self.branch_layouts)
 
     @property
     def dp(self) -> int:

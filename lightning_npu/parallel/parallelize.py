@@ -19,7 +19,8 @@ A training step under ``npu_hybrid``, one call each (the strategy's Lightning ho
    refreshed from them (ZeRO-1: `DistributedOptimizer`, its subclass, steps the dp slices and all-gathers);
 8. checkpoint: `checkpoint` writes DCP shards and commits them once, atomically.
 
-`parallelize` applies, in this order: fused ops, tensor parallelism, activation checkpointing, the
+`parallelize` applies, in this order: fused ops, branch layouts (each branch sharded at its own tp size, which the
+top-level plan then skips), tensor parallelism, activation checkpointing, the
 pipeline split, data parallelism. Tensor parallelism rewrites parameters into DTensors and needs the
 whole model; activation checkpointing then wraps blocks whose parameters are already sharded (as
 torchtitan orders them); the split keeps this rank's stages; data parallelism wraps only what this rank
@@ -36,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_npu.ops import rewrite_modules
+from lightning_npu.parallel.branch import apply as branch
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.data_parallel import sync as gs
 from lightning_npu.parallel.data_parallel import wrap as data_parallel
@@ -78,15 +80,18 @@ def parallelize(
     ddp_kwargs: dict[str, Any],
     pipeline: Any = None,
     hierarchy: Any = None,
+    branches: Optional[list] = None,
 ) -> Parallelized:
     """Shard `model` (the LightningModule, in place) over `mesh` as `cfg` says. Collective.
 
     `pipeline`: this model's stages when an earlier validate/test already split it (kept as they are).
     `hierarchy`: the dp group's `hierarchical.HierarchicalAllReduce` (zero 0 all-reduce buckets), or None.
+    `branches`: ``(module name, BranchLayout, its tp plan)`` of `branch_layouts` (the tp plan already skips them).
     """
     fusion_report = apply_fused_ops(model, device, cfg.fuse_ops) if cfg.fuse_ops else None
     zero23 = cfg.zero_stage in (2, 3)
-    tp_names = apply_tp(model, mesh, tp_plan, localize=not zero23)
+    branch_names = branch.apply_branches(model, mesh, branches) if branches else []
+    tp_names = sorted(set(apply_tp(model, mesh, tp_plan, localize=not zero23)) | set(branch_names))
     recompute_report = apply_ac(model, cfg.activation_checkpointing)
     expert_names = apply_ep(model, mesh, cfg, precision)
     if pipeline is None and cfg.pipeline_parallel_size > 1:
@@ -97,6 +102,8 @@ def parallelize(
         held = dict(model.named_parameters())  # under pp: this rank's stages' experts
         sync = ep.ExpertGradientSync(sync, [held[n] for n in expert_names if n in held],
                                      module_state(model).expert_mesh, cfg.resolved_dp)
+    if branches:
+        sync = apply_branch_sync(model, sync, cfg)
     buffer_sync = buffer_broadcast(model, mesh, uses_ddp=wrapped is not model)
     auto = None
     if cfg.activation_checkpointing == "auto":
@@ -123,8 +130,23 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
         fused = tp_shards.fused_parameters(model)  # read from the DTensor parameters, before localizing or FSDP2
         if localize:
             tp_shards.localize_parameters(model)
-        tp_shards.set_fused_layout(model, fused)
+        tp_shards.set_fused_layout(model, {**tp_shards.fused_layout(model), **fused})  # (with the branches')
     return tp_shards.tensor_parallel_parameter_names(model)
+
+
+def apply_branch_sync(model: nn.Module, sync: gs.GradientSync, cfg: ParallelConfig) -> gs.GradientSync:
+    """Each branch's gradients summed over its branch dp (`branch.apply.BranchGradientSync`): from each parameter's
+    hook under ZeRO-1 at dp > 1 (before the optimizer's reduce-scatter, whose hooks come later), else after `sync`."""
+    groups = branch.branch_parameters(model)
+    if not groups:
+        return sync
+    compressor = None
+    specs = [s.layout.compression for s, _ in groups if s.layout.compression is not None]
+    if specs and sync.compressor is None:
+        compressor = Compressor(specs[0])
+        compressor.resolve(model.named_parameters())
+        compressor.world = groups[0][0].bdp  # its state (residuals) belongs to the bdp group (checkpoints)
+    return branch.BranchGradientSync(sync, groups, compressor, from_hooks=cfg.uses_distributed_optimizer)
 
 
 def apply_ac(model: nn.Module, policy: Any) -> Any:

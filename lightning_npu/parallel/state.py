@@ -23,6 +23,7 @@ class ModuleState:
     experts: Any = None  # an experts module under expert parallelism: its `dispatch.ExpertShard`
     expert_mesh: Any = None  # the model under expert parallelism: the (rest, edp, ep, tp) mesh (`dispatch`)
     gradient_divisor: Optional[int] = None  # an FSDP2 unit averaging over more ranks than its group (`wrap`)
+    branch: Any = None  # a branch module under `branch_layouts`: its `branch.apply.BranchShard`
 
 
 @dataclass

@@ -89,6 +89,10 @@ class Compressor:
     _specs: dict[int, Optional[CompressionSpec]] = field(default_factory=dict)
     _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>": the i-th glob compresses it
     adam: FrozenVarianceAdam = field(default_factory=FrozenVarianceAdam)  # frozen_variance's optimizer side
+    sent_bytes: int = 0  # payload bytes this rank has put into its exchanges (what the wire carries from it)
+
+    def _sent(self, *tensors: torch.Tensor) -> None:
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def per_module(self) -> bool:
@@ -149,6 +153,7 @@ class Compressor:
         step = self.steps.get(key, 0)
         self.steps[key] = step + 1
         if step < spec.warmup_steps:
+            self._sent(flat)
             dist.all_reduce(flat, group=group)
             return
         mode = spec.mode
@@ -220,6 +225,7 @@ class Compressor:
     # ---- modes: each leaves the decompressed sum in `flat` and returns this rank's own decompressed payload ----
     def _bf16(self, flat: torch.Tensor, group: Any) -> None:
         half = flat.to(torch.bfloat16)
+        self._sent(half)
         try:
             dist.all_reduce(half, group=group)
         except RuntimeError:  # a backend without bf16 reductions: fp32
@@ -232,6 +238,7 @@ class Compressor:
         scale = chunks.abs().amax(dim=1).clamp_min(1e-30) / 127
         q = torch.round(chunks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         own = (q.float() * scale[:, None]).flatten()[: flat.numel()]
+        self._sent(q, scale)
         qs, scales = _all_gather(q.flatten(), group), _all_gather(scale, group)
         total = (qs.view(qs.shape[0], *q.shape).float() * scales[:, :, None]).sum(0).flatten()
         flat.copy_(total[: flat.numel()])
@@ -242,6 +249,7 @@ class Compressor:
         idx = flat.abs().topk(k, sorted=False).indices
         values = flat[idx]
         own = torch.zeros_like(flat).index_put_((idx,), values)
+        self._sent(values, idx.to(torch.int32))
         all_values, all_idx = _all_gather(values, group), _all_gather(idx.to(torch.int32), group)
         flat.zero_().index_add_(0, all_idx.flatten().long(), all_values.flatten())
         return own
@@ -252,6 +260,7 @@ class Compressor:
         positive = chunks >= 0
         own = (torch.where(positive, 1.0, -1.0) * scale[:, None]).flatten()[: flat.numel()]
         packed = _pack_bits(positive.flatten())
+        self._sent(packed, scale)
         all_packed, scales = _all_gather(packed, group), _all_gather(scale, group)
         signs = torch.stack([_unpack_bits(p, chunks.numel()) for p in all_packed]).view(-1, *chunks.shape)
         total = (torch.where(signs, 1.0, -1.0) * scales[:, :, None]).sum(0).flatten()
@@ -279,6 +288,7 @@ class Compressor:
         rest = ~covered
         if bool(rest.any()):
             plain = flat[rest]
+            self._sent(plain)
             dist.all_reduce(plain, group=group)
             flat[rest] = plain
         if not compress:
@@ -293,11 +303,13 @@ class Compressor:
             qs.append(q)
         ps = [torch.matmul(v, q) for (v, _, _), q in zip(compress, qs)]  # (parts, rows, r): M @ Q
         p_all = torch.cat([p.flatten() for p in ps])
+        self._sent(p_all)
         dist.all_reduce(p_all, group=group)
         ps = [chunk.view_as(p) for chunk, p in zip(p_all.split([p.numel() for p in ps]), ps)]
         for p in ps:
             _orthogonalize(p.view(1, -1, p.shape[-1]), epsilon=1e-8)
         q_all = torch.cat([torch.einsum("bmn,bmr->nr", v, p).flatten() for (v, _, _), p in zip(compress, ps)])
+        self._sent(q_all)
         dist.all_reduce(q_all, group=group)
         world = dist.get_world_size(group)
         for i, ((v, rows, q_key), p, q) in enumerate(zip(compress, ps, q_all.split([q.numel() for q in qs]))):

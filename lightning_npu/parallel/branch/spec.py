@@ -1,0 +1,134 @@
+"""What `branch_layouts` means, validated before any process group exists.
+
+A branch is a submodule (``model.text_model``) that factorizes each top-level tp group into its own
+(branch dp x branch tp): its ranks read the same batch, so a branch at a smaller tp splits that batch over its
+branch-dp ranks instead of sharding weights as finely. What is not built yet is refused here, naming the argument.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
+from lightning_npu.parallel.errors import CompressionConfigError, ParallelConfigError
+
+KEYS = ("tensor_parallel_size", "gradient_compression", "zero_stage")
+EXAMPLE = "branch_layouts={'model.text_model': {'tensor_parallel_size': 2}}"
+
+
+@dataclass(frozen=True)
+class BranchLayout:
+    glob: str
+    tensor_parallel_size: int = 1
+    gradient_compression: Any = None  # the raw value (a mode, an options dict); parsed into `compression`
+    zero_stage: int = 0
+    compression: Any = None  # its `CompressionSpec`, or None
+
+    def data_parallel_size(self, top_tp: int) -> int:
+        """Branch-dp ranks: the top-level tp group split into groups of the branch's tp size."""
+        return top_tp // self.tensor_parallel_size
+
+
+def parse_branch_layouts(value: Any) -> list[BranchLayout]:
+    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0}}``."""
+    if value is None:
+        return []
+    if not isinstance(value, dict) or not value:
+        raise ParallelConfigError(f"`branch_layouts={value!r}` must be None or a non-empty dict of module glob -> "
+                                  f"options, e.g. {EXAMPLE}.")
+    out = []
+    for glob, options in value.items():
+        where = f"`branch_layouts[{glob!r}]`"
+        if not isinstance(glob, str) or not glob:
+            raise ParallelConfigError(f"`branch_layouts` key {glob!r} must be a module-name glob, e.g. 'model.text_model'.")
+        if not isinstance(options, dict):
+            raise ParallelConfigError(f"{where}={options!r} must be a dict of {list(KEYS)}, e.g. {EXAMPLE}.")
+        unknown = sorted(set(options) - set(KEYS))
+        if unknown:
+            raise ParallelConfigError(f"{where} has unknown options {unknown}; use {list(KEYS)}.")
+        tp = options.get("tensor_parallel_size", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ParallelConfigError(f"{where}['tensor_parallel_size']={tp!r} must be a positive int, e.g. 2.")
+        zero = options.get("zero_stage", 0)
+        if zero != 0 or isinstance(zero, bool):
+            raise ParallelConfigError(
+                f"{where}['zero_stage']={zero!r}: a branch's own ZeRO stages (1-3) are not built yet; its parameters "
+                "follow the top-level zero_stage (0 or 1) over the top-level dp. Set 'zero_stage': 0 or drop it.")
+        raw = options.get("gradient_compression")
+        try:
+            spec = parse_compression(raw)
+        except (CompressionConfigError, TypeError) as err:
+            raise ParallelConfigError(f"{where}['gradient_compression']: {err}") from None
+        if isinstance(spec, dict):
+            raise ParallelConfigError(f"{where}['gradient_compression']={raw!r}: one mode or options dict for the "
+                                      "whole branch (module globs are the top-level gradient_compression's).")
+        if spec is not None and spec.frozen_variance:
+            raise ParallelConfigError(f"{where}['gradient_compression']: frozen_variance=True (1-bit Adam) on a branch "
+                                      "is not built yet; use frozen_variance=False (onebit with error feedback).")
+        out.append(BranchLayout(glob, tp, raw, 0, spec))
+    return out
+
+
+def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
+    """The top-level arguments branches do not compose with yet (no world size needed)."""
+    if not branches:
+        return
+    refused = [(cfg.pipeline_parallel_size > 1, f"pipeline_parallel_size={cfg.pipeline_parallel_size}"),
+               (cfg.expert_parallel_size > 1, f"expert_parallel_size={cfg.expert_parallel_size}"),
+               (cfg.sequence_parallel, "sequence_parallel=True"),
+               (cfg.zero_stage in (2, 3), f"zero_stage={cfg.zero_stage}"),
+               (getattr(cfg, "context_parallel_size", 1) > 1,
+                f"context_parallel_size={getattr(cfg, 'context_parallel_size', 1)}")]
+    for bad, arg in refused:
+        if bad:
+            raise ParallelConfigError(
+                f"`branch_layouts` with `{arg}` is not built yet: branches compose with tensor and data parallelism "
+                "at zero_stage 0 or 1; drop branch_layouts or that argument.")
+    for b in branches:
+        if cfg.tensor_parallel_size % b.tensor_parallel_size:
+            raise ParallelConfigError(
+                f"`branch_layouts[{b.glob!r}]['tensor_parallel_size']={b.tensor_parallel_size}` does not divide "
+                f"`tensor_parallel_size={cfg.tensor_parallel_size}`: a branch splits each top-level tp group into "
+                "(branch dp x branch tp); choose a divisor of the top-level tp size.")
+
+
+def match_branches(model: nn.Module, branches: list[BranchLayout]) -> list[tuple[str, BranchLayout]]:
+    """``(module name, layout)`` of every module a branch glob matches; a glob matching nothing, or branches that
+    overlap (one inside another), is an error."""
+    names = [n for n, _ in model.named_modules() if n]
+    found: list[tuple[str, BranchLayout]] = []
+    for b in branches:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, b.glob)]
+        if not matched:
+            near = [n for n in names if n.count(".") <= 1][:8]
+            raise ParallelConfigError(f"`branch_layouts[{b.glob!r}]` matches no module of {type(model).__name__} "
+                                      f"(module names such as {near}); fix the glob.")
+        found += [(n, b) for n in matched]
+    for i, (a, la) in enumerate(found):
+        for b, lb in found[i + 1:]:
+            if a == b or b.startswith(a + ".") or a.startswith(b + "."):
+                raise ParallelConfigError(
+                    f"`branch_layouts`: {la.glob!r} ({a}) and {lb.glob!r} ({b}) overlap; a module belongs to at most "
+                    "one branch: make the globs disjoint.")
+    return found
+
+
+def without_branches(tp_plan: Any, model: nn.Module, names: list[str]) -> Any:
+    """The top-level `tp_plan` with every branch module kept whole (the branch shards them at its own size): later
+    entries win, so 'replicate' on the branches overrides the automatic plan and the user's globs there."""
+    if tp_plan is None or not names:
+        return tp_plan
+    entries = {"*": "auto"} if tp_plan == "auto" else dict(tp_plan)
+    for n in names:
+        entries[n] = "replicate"
+        if any(True for _ in model.get_submodule(n).children()):
+            entries[n + ".*"] = "replicate"
+    return entries
+
+
+def in_branch(fqn: str, names: list[str]) -> Optional[str]:
+    return next((n for n in names if fqn == n or fqn.startswith(n + ".")), None)

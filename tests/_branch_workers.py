@@ -1,0 +1,83 @@
+"""Workers for tests/test_branch_layouts.py: the stock transformers CLIPModel of the model zoo (tiny config, fp32,
+dropout off, every step clipped) under `branch_layouts`, against one process reading the same samples.
+
+One launch per world size runs every case in turn (`run_cases`); a case is a strategy layout plus what to do with
+checkpoints (save after its steps, or resume from one) and how many steps and samples per batch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_npu
+from lightning_npu import NPUHybridStrategy
+from tests._model_zoo_workers import CLIP, GLOBAL_BATCH, Losses, ZooData, ZooModule, _world
+
+TEXT = "model.text_model"
+VISION = "model.vision_model"
+
+
+@dataclass(frozen=True)
+class BranchCase:
+    strategy: dict[str, Any] = field(default_factory=dict)
+    steps: int = 3
+    batch: int = GLOBAL_BATCH  # the global batch per step
+    save: Optional[str] = None  # save a checkpoint here after the steps (a file name under the launch's directory)
+    resume: Optional[str] = None  # resume from this checkpoint (same), up to `steps`
+    samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
+
+
+class BranchBytes(L.Callback):
+    """What the branches' bdp sums sent from this rank, read before teardown drops the gradient sync."""
+
+    sent: Optional[int] = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.sent = getattr(trainer.strategy._grad_sync, "sent_bytes", None)
+
+
+def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
+    world = _world()
+    L.seed_everything(0, verbose=False)
+    model = ZooModule("clip")
+    strategy = NPUHybridStrategy(**case.strategy)
+    cfg = strategy.parallel_config
+    dp = world // (cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
+    losses, sent = Losses(), BranchBytes()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
+        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
+    )
+    loader = DataLoader(ZooData("clip", case.samples), batch_size=case.batch // dp, shuffle=False)
+    ckpt = os.path.join(directory, case.resume) if case.resume else None
+    try:
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt)
+    except Exception as err:  # noqa: BLE001 (a refusal is a result here)
+        return {"error": f"{type(err).__name__}: {err}"}
+    if case.save:
+        trainer.save_checkpoint(os.path.join(directory, case.save))
+    return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
+            "report": str(trainer.strategy.tp_report)}
+
+
+def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:
+    """One process group, every case in turn."""
+    return {name: fit_case(case, directory) for name, case in cases.items()}
+
+
+def compare(reference: dict[str, Any], got: dict[str, Any], steps: Optional[slice] = None) -> dict[str, float]:
+    """The largest relative difference of the logged losses and absolute difference of the final full state."""
+    assert "error" not in got, got["error"]
+    ref_losses, losses = reference["logged"], got["logged"]
+    if steps is not None:
+        ref_losses = ref_losses[steps]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) if losses else 0.0
+    state = max((got["state"][k] - v).abs().max().item() for k, v in reference["state"].items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return {"loss": loss, "state": state}

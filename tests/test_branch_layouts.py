@@ -1,0 +1,133 @@
+"""`branch_layouts`: a stock transformers CLIPModel whose towers run at different tp sizes, against one process.
+
+EXACT (fp32, every step clipped by the global norm, AdamW lr 1e-3): each logged loss within rtol 1e-5 and the final
+full state within 1e-5 (absolute) of one process reading the same samples. Measured on 2 CPU processes: loss 2.2e-7,
+state 1.2e-7. A mean instead of the sum over branch dp, or the ZeRO-1 hook off, fails them by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_npu import NPUHybridStrategy
+from lightning_npu.launch import spawn
+from lightning_npu.parallel.branch.apply import plan_branch
+from lightning_npu.parallel.branch.spec import match_branches, parse_branch_layouts
+from lightning_npu.parallel.errors import ParallelConfigError
+from tests._branch_workers import TEXT, VISION, BranchCase, compare, run_cases
+from tests._model_zoo_workers import ZooModule
+
+LOSS_RTOL, STATE_ATOL = 1e-5, 1e-5
+TEXT1 = {"tensor_parallel_size": 2, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 1}}}
+ONEBIT = {**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "gradient_compression": "onebit"}}}
+LONG = dict(steps=15, samples=12)  # 5 epochs of 3 steps
+
+TWO = {
+    "save": BranchCase(TEXT1, steps=2, save="two"),
+    "resume": BranchCase(TEXT1, steps=3, resume="two"),
+    "resume without branches": BranchCase({"tensor_parallel_size": 2, "zero_stage": 0}, steps=3, resume="two"),
+    "onebit": BranchCase(ONEBIT, **LONG),
+    "onebit save": BranchCase(ONEBIT, steps=2, samples=12, save="onebit"),
+    "onebit resume": BranchCase(ONEBIT, resume="onebit", **LONG),
+    "uncompressed": BranchCase(TEXT1, **LONG),
+    "batch of 3": BranchCase(TEXT1, steps=1, batch=3, samples=3),
+}
+TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
+FOUR = {
+    "vision tp4, text tp2": BranchCase(TP4),
+    "dp2 x tp2, text tp1, zero 0": BranchCase(TEXT1),
+    "dp2 x tp2, text tp1, zero 1": BranchCase({**TEXT1, "zero_stage": 1}),
+    "resume at vision tp4, text tp2": BranchCase(TP4, steps=3, resume="two"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    directory = str(tmp_path_factory.mktemp("branches"))
+    reference = spawn(run_cases, 1, {"ref": BranchCase({"zero_stage": 0})}, directory)[0]["ref"]
+    two = spawn(run_cases, 2, TWO, directory)
+    four = spawn(run_cases, 4, FOUR, directory)[0]
+    return {"ref": reference, "two": two, "four": four}
+
+
+def _exact(diff: dict) -> bool:
+    return diff["loss"] <= LOSS_RTOL and diff["state"] <= STATE_ATOL
+
+
+def test_two_processes_vision_tp2_text_tp1_exact_and_resumes(runs):
+    ref, (rank0, rank1) = runs["ref"], runs["two"]
+    assert rank0["save"]["logged"] == rank1["save"]["logged"]
+    assert compare({**ref, "state": rank0["save"]["state"]}, rank0["save"], slice(0, 2))["loss"] <= LOSS_RTOL
+    for name in ("resume", "resume without branches"):
+        diff = compare(ref, rank0[name], slice(2, 3))
+        assert _exact(diff), (name, diff)
+    # the top-level plan skips the text tower (its tp is the branch's)
+    assert "vision_model" in rank0["save"]["report"] and "text_model" not in rank0["save"]["report"]
+
+
+def test_four_processes(runs):
+    ref = runs["ref"]
+    for name, got in runs["four"].items():
+        diff = compare(ref, got, slice(2, 3) if name.startswith("resume") else None)
+        assert _exact(diff), (name, diff)
+
+
+def test_onebit_on_the_text_tower_only(runs):
+    rank0 = runs["two"][0]
+    onebit, plain = rank0["onebit"], rank0["uncompressed"]
+    assert "error" not in onebit, onebit.get("error")
+    ratio = plain["branch_bytes"] / onebit["branch_bytes"]
+    assert ratio > 20, ratio  # 1 bit + a fp32 scale per 256 values instead of 32 bits
+    # training follows the uncompressed run: each epoch's mean loss within 0.5 of it
+    for epoch in range(5):
+        a = sum(onebit["logged"][3 * epoch:3 * epoch + 3]) / 3
+        b = sum(plain["logged"][3 * epoch:3 * epoch + 3]) / 3
+        assert abs(a - b) < 0.5, (epoch, a, b)
+    # each rank's error-feedback residuals are in the checkpoint: the resumed run is the uninterrupted one
+    resumed = rank0["onebit resume"]
+    assert compare({**onebit, "logged": onebit["logged"][2:]}, resumed)["state"] <= STATE_ATOL
+    assert resumed["logged"] == pytest.approx(onebit["logged"][2:], rel=LOSS_RTOL)
+
+
+def test_batch_not_divisible_by_branch_dp_is_refused(runs):
+    error = runs["two"][0]["batch of 3"]["error"]
+    assert "branch_layouts['model.text_model']" in error and "multiple of 2" in error, error
+
+
+@pytest.mark.parametrize("value, message", [
+    ({TEXT: {"zero_stage": 1}}, r"'zero_stage'\]=1: a branch's own ZeRO stages \(1-3\) are not built"),
+    ({TEXT: {"tensor_parallel_size": 3}}, r"\['tensor_parallel_size'\]=3` does not divide `tensor_parallel_size=4`"),
+    ({TEXT: {"tp": 2}}, r"unknown options \['tp'\]"),
+    ({TEXT: {"gradient_compression": {"mode": "onebit", "warmup_steps": 2, "frozen_variance": True}}},
+     r"frozen_variance=True \(1-bit Adam\) on a branch is not built"),
+    ({TEXT: {"gradient_compression": "zip"}}, r"mode 'zip' is unknown"),
+])
+def test_bad_branch_options_are_refused(value, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        NPUHybridStrategy(tensor_parallel_size=4, zero_stage=0, branch_layouts=value)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"expert_parallel_size": 2, "zero_stage": 0}, "expert_parallel_size=2"),
+    ({"sequence_parallel": True}, "sequence_parallel=True"),
+    ({"zero_stage": 3}, "zero_stage=3"),
+    ({"context_parallel_size": 2}, "context_parallel_size=2"),
+])
+def test_branches_with_layouts_not_built_are_refused(kwargs, arg):
+    with pytest.raises(ParallelConfigError, match=f"`branch_layouts` with `{arg}` is not built yet"):
+        NPUHybridStrategy(**{"tensor_parallel_size": 2, **kwargs}, branch_layouts={TEXT: {}})
+
+
+def test_globs_matching_nothing_or_overlapping_and_heads_are_refused():
+    model = ZooModule("clip")
+    with pytest.raises(ParallelConfigError, match=r"`branch_layouts\['model.audio'\]` matches no module"):
+        match_branches(model, parse_branch_layouts({"model.audio": {}}))
+    with pytest.raises(ParallelConfigError, match="overlap"):
+        match_branches(model, parse_branch_layouts({TEXT: {}, TEXT + ".encoder": {}}))
+    found = match_branches(model, parse_branch_layouts({"model.*_model": {}}))
+    assert [name for name, _ in found] == [TEXT, VISION]
+    (name, layout), = match_branches(model, parse_branch_layouts({TEXT: {"tensor_parallel_size": 3}}))
+    with pytest.raises(ParallelConfigError, match=r"\['tensor_parallel_size'\]=3` on model.text_model: "
+                                                  r"tensor_parallel_size=3 does not divide num_heads=4"):
+        plan_branch(model.get_submodule(name), name, layout)
