@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
+from lightning_npu.callbacks import RouterMonitor
+from lightning_npu.parallel.expert_parallel.router_monitor import experts_modules
 from lightning_npu.parallel.optim.grad_norm import local_tensor
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB, IMAGE = 3, 4, 16, 128, 16
@@ -225,9 +227,12 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
     cfg = strategy.parallel_config
     dp = world // (cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
     losses = Losses()
+    callbacks: list[L.Callback] = [losses]
+    if experts_modules(model):  # the routers' loads, as rank 0 logs them: every stage's layers under pp
+        callbacks.append(RouterMonitor(log_every_n_steps=1))
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False, precision=precision,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
     )
     loader = DataLoader(ZooData(model.kind), batch_size=GLOBAL_BATCH // dp, shuffle=False)
@@ -242,7 +247,8 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
             "report": str(report) if report is not None else None,
             "buffers": {n: type(b).__name__ for n, b in model.named_buffers()},
             # what this rank holds of the MoE experts' parameters (elements)
-            "local_experts": sum(local_tensor(p).numel() for n, p in model.named_parameters() if ".experts." in n)}
+            "local_experts": sum(local_tensor(p).numel() for n, p in model.named_parameters() if ".experts." in n),
+            "router_layers": sorted(callbacks[-1].last) if len(callbacks) > 1 else []}
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,10 @@ def test_layouts_are_what_they_say(zoo):
         whole = sum(v.numel() for k, v in zoo["reference"][name]["state"].items() if ".experts." in k)
         for layout in ("tp2", "tp2-sp", "ep2"):
             assert [zoo[layout][rank][name]["local_experts"] for rank in range(2)] == [whole // 2] * 2, (layout, name)
+    # RouterMonitor on rank 0 reports every MoE layer, also those of the other pipeline stage
+    for name in MOE:
+        layers = zoo["reference"][name]["router_layers"]
+        assert layers and all(zoo[layout][0][name]["router_layers"] == layers for layout in ("pp2", "tp2", "ep2")), name
 
 
 def test_docs_show_the_measured_matrix(zoo):

@@ -190,14 +190,17 @@ def _table(result: Plan, top: int) -> str:
     shown = result.ranked[:top]
     unit, scale = memory_unit(max(e.memory.total for e in shown))
     experts = bool(result.model.experts)  # an ep column for MoE models only
-    head = ["#", "tp", "pp", "dp", *(["ep"] if experts else []), "zero", "M x b", "v", "sp", "recompute",
+    context = any(e.layout.cp > 1 for e in shown)  # a cp column where a shown layout splits sequences
+    head = ["#", "tp", "pp", "dp", *(["cp"] if context else []), *(["ep"] if experts else []), "zero", "M x b", "v",
+            "sp", "recompute",
             *(f"{k} {unit}" for k in (
             "weights", "grads", "optim", "activ", "buffers", "total")), "step s", "tokens/s", "MFU", "HFU"]
     rows = []
     devices, peak = result.cluster.devices, result.cluster.peak_tflops
     for i, e in enumerate(shown, 1):
         lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
-        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), *([str(lay.ep)] if experts else []),
+        rows.append([str(i), str(lay.tp), str(lay.pp), str(lay.dp), *([str(lay.cp)] if context else []),
+                     *([str(lay.ep)] if experts else []),
                      str(lay.zero_stage),
                      f"{lay.micro_batches}x{lay.micro_batch_size}", str(lay.v), "y" if lay.sequence_parallel else "-",
                      lay.recompute or "-", *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer",

@@ -141,6 +141,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, rec
     if recompute == "full":
         return act_bytes * h / split
     qkv_out = (h + 2 * model.kv_dim) / t + h / t
+    qkv_out += (layout.cp - 1) * 2 * model.kv_dim / t  # context parallelism keeps the gathered keys and values
     inner, kept = (4 if gated else 2) * f / t, (2 if gated else 1) * f / t  # the MLP's saved / matmul outputs
     if model.experts:  # each token's k experts keep theirs, plus the dispatched and combined copies
         k, fe = model.experts_per_token, model.n_expert_ffn
@@ -164,7 +165,7 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
 
 
 def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, act_bytes: int) -> float:
-    tokens = layout.micro_batch_size * model.seq
+    tokens = layout.micro_batch_size * model.seq / layout.cp  # a cp rank keeps 1/cp of each sequence
     n = stage_layers(model, layout.pp)[stage]
     in_flight = in_flight_micro_batches(layout, stage)
     per_mb = n * layer_activation_bytes(model, layout, act_bytes, layout.recompute)
@@ -190,7 +191,7 @@ def buffer_bytes(model: ModelSpec, layout: Layout, weight_bytes: int, act_bytes:
     """Communication buffers: dp gradient buckets (ZeRO 0/1), FSDP's gathered block (ZeRO 2/3, two in flight
     with prefetch, `weight_bytes` each: see `gather_bytes`), pipeline send/receive buffers."""
     out = 0.0
-    if layout.dp > 1:
+    if layout.replicas > 1:
         if layout.zero_stage <= 1:
             out += 2 * bucket_size_mb * 2**20
         else:
@@ -209,7 +210,7 @@ def memory_by_stage(model: ModelSpec, layout: Layout, precision: str = "bf16-mix
     out = []
     for stage in range(layout.pp) if stages is None else sorted(set(stages)):
         experts = stage_expert_params(model, layout, stage)
-        states = model_state_bytes(stage_params(model, layout, stage) - experts, layout.dp, layout.zero_stage,
+        states = model_state_bytes(stage_params(model, layout, stage) - experts, layout.replicas, layout.zero_stage,
                                    precision, optimizer, accounting=accounting)
         if experts:  # sharded by ZeRO over the ranks that hold the same experts
             held = model_state_bytes(experts, layout.dp // layout.ep, layout.zero_stage, precision, optimizer,

@@ -39,7 +39,7 @@ class Estimate:
                        "micro_batches": lay.micro_batches, "micro_batch_size": lay.micro_batch_size,
                        "activation_checkpointing": lay.recompute, "sequence_parallel": lay.sequence_parallel,
                        "pipeline_schedule": lay.schedule, "virtual_stages": lay.v,
-                       "expert_parallel_size": lay.ep},
+                       "expert_parallel_size": lay.ep, "context_parallel_size": lay.cp},
             "memory_gb": self.memory.as_gb(),
             "memory_stage": self.memory.stage,
             "step_time_s": self.time.step_s,
@@ -95,6 +95,21 @@ def max_usable_devices(model: ModelSpec, cluster: ClusterSpec) -> int:
     return tp * model.layers * model.global_batch
 
 
+def _meshes(model: ModelSpec, devices: int, context_parallel: Optional[tuple[int, ...]]) -> list[tuple[int, int, int]]:
+    """(tp, pp, cp) of every mesh of `devices` (dp takes the rest); cp > 1 only without pp, with SDPA attention and a
+    sequence that splits into 2cp load-balanced chunks, as the strategy's context parallelism requires."""
+    out = []
+    for tp in _divisors(devices):
+        for pp in _divisors(devices // tp):
+            for cp in _divisors(devices // (tp * pp)):
+                if cp > 1 and (pp > 1 or model.attention == "eager" or model.seq % (2 * cp)):
+                    continue
+                if context_parallel is not None and cp not in context_parallel:
+                    continue
+                out.append((tp, pp, cp))
+    return out
+
+
 def _virtual_stages(model: ModelSpec, pp: int, micro_batches: int, schedule: str,
                     virtual_stages: Optional[tuple[int, ...]]) -> list[int]:
     """The interleave depths v to try: 1 unless interleaved; else 2 .. layers // pp (each chunk at least one
@@ -136,6 +151,7 @@ def plan(
     micro_batch_sizes: Optional[tuple[int, ...]] = None,
     max_micro_batch_size: int = 8,
     accounting: str = "lightning-npu",
+    context_parallel: Optional[tuple[int, ...]] = None,
     top: Optional[int] = None,
 ) -> Plan:
     """Rank every layout of `model` on `cluster` by estimated tokens/s.
@@ -143,8 +159,10 @@ def plan(
     `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config; `cluster` a
     `ClusterSpec` or its fields. Searched: tp x pp x dp, the ZeRO stages, the micro-batch sizes (the divisors of the
     per-dp batch up to `max_micro_batch_size`, or `micro_batch_sizes`), the recomputation policies, sequence
-    parallelism and, under ``schedule="interleaved_1f1b"``, the interleave depth v (`virtual_stages`, default every
-    v with at least one block per chunk). `accounting` says whose optimizer memory to assume (ours; ``"paper"``/
+    parallelism, under ``schedule="interleaved_1f1b"``, the interleave depth v (`virtual_stages`, default every
+    v with at least one block per chunk) and the context-parallel size cp (`context_parallel`, default every cp
+    that splits the sequence into 2cp chunks, where the strategy composes it: without pp, ep, sequence parallelism
+    or selective recomputation, with SDPA attention). `accounting` says whose optimizer memory to assume (ours; ``"paper"``/
     ``"deepspeed"``; ``"megatron"``: see `model_state_bytes`). Layouts that cannot run or do not fit in device
     memory are counted in ``Plan.rejected`` by reason. Pure arithmetic: nothing is allocated, no process group is
     created.
@@ -174,55 +192,60 @@ def plan(
     result = Plan(model, cluster, precision, optimizer, ranked=[], accounting=accounting)
     budget = cluster.usable_bytes / cluster.memory_overhead
     tokens = model.global_batch * model.seq
-    for tp in _divisors(cluster.devices):
-        for pp in _divisors(cluster.devices // tp):
-            dp = cluster.devices // (tp * pp)
-            reason = _structural_reason(model, cluster, tp, pp, dp)
-            if not reason and schedule == "interleaved_1f1b" and pp > 1 and pp * 2 > model.layers:
-                reason = f"pp x 2 interleaved stages > layers={model.layers}"
-            if reason:
-                result.rejected[reason] += 1
+    for tp, pp, cp in _meshes(model, cluster.devices, context_parallel):
+        dp = cluster.devices // (tp * pp * cp)
+        reason = _structural_reason(model, cluster, tp, pp, dp)
+        if not reason and schedule == "interleaved_1f1b" and pp > 1 and pp * 2 > model.layers:
+            reason = f"pp x 2 interleaved stages > layers={model.layers}"
+        if reason:
+            result.rejected[reason] += 1
+            result.considered += 1
+            continue
+        per_dp = model.global_batch // dp
+        sizes = micro_batch_sizes or [d for d in _divisors(per_dp) if d <= max_micro_batch_size]
+        for b in [d for d in sizes if per_dp % d == 0]:
+            m = per_dp // b
+            if pp > 1 and schedule != "gpipe" and m < pp:
+                result.rejected["micro_batches < pp (1F1B needs one per stage)"] += 1
                 result.considered += 1
                 continue
-            per_dp = model.global_batch // dp
-            sizes = micro_batch_sizes or [d for d in _divisors(per_dp) if d <= max_micro_batch_size]
-            for b in [d for d in sizes if per_dp % d == 0]:
-                m = per_dp // b
-                if pp > 1 and schedule != "gpipe" and m < pp:
-                    result.rejected["micro_batches < pp (1F1B needs one per stage)"] += 1
-                    result.considered += 1
+            depths = _virtual_stages(model, pp, m, schedule, virtual_stages)
+            if not depths:
+                result.rejected["interleaved 1F1B needs micro_batches a multiple of max(1, M // pp)"] += 1
+                result.considered += 1
+                continue
+            for zero, ep in _zero_and_expert_sizes(model, zero_stages, pp, dp * cp):
+                if cp > 1 and ep > 1:
                     continue
-                depths = _virtual_stages(model, pp, m, schedule, virtual_stages)
-                if not depths:
-                    result.rejected["interleaved 1F1B needs micro_batches a multiple of max(1, M // pp)"] += 1
-                    result.considered += 1
-                    continue
-                for zero, ep in _zero_and_expert_sizes(model, zero_stages, pp, dp):
-                    for rc in recompute:
-                        for sp in sequence_parallel:
-                            if sp and (tp == 1 or not model.sequence_parallel_ok):
+                for rc in recompute:
+                    if cp > 1 and rc == "selective":
+                        continue
+                    for sp in sequence_parallel:
+                        if sp and (tp == 1 or cp > 1 or not model.sequence_parallel_ok):
+                            continue
+                        for v in depths:
+                            result.considered += 1
+                            layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule, v if v > 1 else None, ep,
+                                            cp)
+                            peak = peak_memory(model, layout, precision, optimizer, accounting)
+                            if peak.total > budget:
+                                result.rejected[f"does not fit in {cluster.usable_bytes / GB:.1f} GB usable "
+                                                "per device"] += 1
                                 continue
-                            for v in depths:
-                                result.considered += 1
-                                layout = Layout(tp, pp, dp, zero, m, b, rc, sp, schedule, v if v > 1 else None, ep)
-                                peak = peak_memory(model, layout, precision, optimizer, accounting)
-                                if peak.total > budget:
-                                    result.rejected[f"does not fit in {cluster.usable_bytes / GB:.1f} GB usable "
-                                                    "per device"] += 1
-                                    continue
-                                t = step_time(model, cluster, layout, precision)
-                                result.ranked.append(Estimate(layout, peak, t, tokens / t.step_s))
+                            t = step_time(model, cluster, layout, precision)
+                            result.ranked.append(Estimate(layout, peak, t, tokens / t.step_s))
     result.ranked.sort(key=lambda e: (-e.tokens_per_s, e.memory.total))
     if top is not None:
         result.ranked = result.ranked[:top]
     return result
 
 
-def distinct_shapes(ranked: list[Estimate]) -> list[tuple[int, int, int]]:
-    """The (tp, pp, dp) shapes of `ranked`, best first, each once: what "among the top 3 shapes" counts."""
-    out: list[tuple[int, int, int]] = []
+def distinct_shapes(ranked: list[Estimate]) -> list[tuple[int, ...]]:
+    """The (tp, pp, dp) shapes of `ranked` ((tp, pp, dp, cp) where cp > 1), best first, each once: what "among the
+    top 3 shapes" counts."""
+    out: list[tuple[int, ...]] = []
     for e in ranked:
-        shape = (e.layout.tp, e.layout.pp, e.layout.dp)
+        shape = (e.layout.tp, e.layout.pp, e.layout.dp) + ((e.layout.cp,) if e.layout.cp > 1 else ())
         if shape not in out:
             out.append(shape)
     return out

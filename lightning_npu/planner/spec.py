@@ -207,6 +207,12 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: Optional[int] = None
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (between dp and tp in the mesh)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, which gradients are reduced (and ZeRO shards) over: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def v(self) -> int:
@@ -217,7 +223,7 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"zero{self.zero_stage}",
@@ -226,6 +232,8 @@ class Layout:
             parts.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
         if self.ep > 1:
             parts.insert(3, f"ep{self.ep}")
+        if self.cp > 1:
+            parts.insert(3, f"cp{self.cp}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute:
@@ -245,6 +253,8 @@ class Layout:
             args["pipeline_schedule"] = self.schedule
         if self.ep > 1:
             args["expert_parallel_size"] = self.ep
+        if self.cp > 1:
+            args["context_parallel_size"] = self.cp
         if self.sequence_parallel:
             args["sequence_parallel"] = True
         if self.recompute:

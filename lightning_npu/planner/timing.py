@@ -100,6 +100,20 @@ def _expert_all_to_all_s(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
     return count * ((layout.ep - 1) * latency + moved / bandwidth)
 
 
+def _context_parallel_s(model: ModelSpec, cluster: ClusterSpec, layout: Layout, token_bytes: float) -> float:
+    """Context parallelism's key/value all-gather of one block per micro-batch (the forward, again in a full
+    recompute) and the reduce-scatter of their gradients in the backward: each rank's share of the sequence's k and
+    v (this rank's tp slice), ring over cp, not overlapped. The cp group (cp ranks tp apart) stays in a node while
+    tp x cp fits one."""
+    if layout.cp == 1:
+        return 0.0
+    intra, inter = _links(cluster)
+    link = intra if layout.tp * layout.cp <= cluster.devices_per_node else inter
+    whole = token_bytes * layout.cp * 2 * model.kv_dim / layout.tp  # the gathered k and v
+    count = 2 + (1 if layout.recompute == "full" else 0)
+    return count * _ring(whole, layout.cp, *link, 1)
+
+
 def _links(cluster: ClusterSpec) -> tuple[tuple[float, float], tuple[float, float]]:
     """(bytes/s, seconds of latency per hop) inside a node and between nodes."""
     return ((cluster.intra_node_GBps * 1e9, cluster.intra_latency_us * 1e-6),
@@ -119,7 +133,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision:
     intra, inter = _links(cluster)
     w_bytes, g_bytes, _, act = PRECISION_BYTES[precision]
     rate = cluster.peak_tflops * 1e12 * cluster.gemm_efficiency
-    tokens_mb = layout.micro_batch_size * model.seq
+    tokens_mb = layout.micro_batch_size * model.seq / layout.cp  # this rank's tokens of one micro-batch
     block, head = flops_per_token(model, layout.recompute)
     layers = stage_layers(model, layout.pp)
     per_stage = [n * block + (head if i == layout.pp - 1 else 0) for i, n in enumerate(layers)]
@@ -133,6 +147,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision:
     n_allreduce = 4 + (2 if layout.recompute == "full" else 0)
     mb_tp = max(layers) * n_allreduce * _ring(tokens_mb * model.hidden * act, layout.tp, *tp_link)
     mb_tp += max(layers) * _expert_all_to_all_s(model, cluster, layout, tokens_mb * act)
+    mb_tp += max(layers) * _context_parallel_s(model, cluster, layout, tokens_mb * act)
 
     # pipeline: M + P - 1 slots; p2p of the activations (and their gradients) between stages
     v = layout.v
@@ -148,22 +163,23 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision:
 
     # data parallel: the stage's gradients (fp32 reduction) over dp ranks; the group leaves the node when
     # tp x dp does not fit in one
-    dp_link = intra if layout.tp * layout.dp <= cluster.devices_per_node else inter
+    dp_link = intra if layout.tp * layout.replicas <= cluster.devices_per_node else inter
+    replicas = layout.replicas  # gradients are reduced (and ZeRO shards) over dp x cp
     params = max(stage_params(model, layout, i) for i in range(layout.pp))
     grad_bytes = params * max(g_bytes, 4)
     experts = max(stage_expert_params(model, layout, i) for i in range(layout.pp))
     # the experts' gradients are reduced over the dp / ep ranks that hold them: their bytes count as
     # over a group ep times smaller (the same ring time per byte, fewer hops)
-    grad_bytes -= experts * max(g_bytes, 4) * (1 - _ring_share(layout.dp // layout.ep, layout.dp))
+    grad_bytes -= experts * max(g_bytes, 4) * (1 - _ring_share(layout.dp // layout.ep, replicas))
     if layout.zero_stage == 3:
         # every micro-batch gathers the weights twice (forward, backward) and reduce-scatters gradients once
         gathered = params * gather_bytes(precision)
-        per_mb = 2 * _ring(gathered, layout.dp, *dp_link, 1) + _ring(grad_bytes, layout.dp, *dp_link, 1)
+        per_mb = 2 * _ring(gathered, replicas, *dp_link, 1) + _ring(grad_bytes, replicas, *dp_link, 1)
         dp_exposed = layout.micro_batches * max(0.0, per_mb - mb_compute)
     else:
-        reduce = _ring(grad_bytes, layout.dp, *dp_link, 2 if layout.zero_stage == 0 else 1)
+        reduce = _ring(grad_bytes, replicas, *dp_link, 2 if layout.zero_stage == 0 else 1)
         gathered = params * (gather_bytes(precision) if layout.zero_stage == 2 else w_bytes)
-        gather = _ring(gathered, layout.dp, *dp_link, 1) if layout.zero_stage >= 1 else 0.0
+        gather = _ring(gathered, replicas, *dp_link, 1) if layout.zero_stage >= 1 else 0.0
         backward_window = mb_compute * 2 / 3  # the last micro-batch's backward
         dp_exposed = max(0.0, reduce - backward_window) + gather
     step = compute + tp_comm + pipeline + dp_exposed

@@ -28,6 +28,9 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
                                                                               torch.Tensor)}
 
 
+_AUX = "__aux_loss__"
+
+
 class RouterMonitor(L.Callback):
     """Per MoE layer, every `log_every_n_steps` training steps: ``moe/<layer>/max_load`` (the largest fraction of the
     tokens routed to one expert; 1/num_experts x top_k is perfectly balanced), ``moe/<layer>/experts_used`` and
@@ -41,17 +44,21 @@ class RouterMonitor(L.Callback):
         check_int("patience", patience, owner="RouterMonitor")
         self.log_every_n_steps, self.collapse_load, self.patience = log_every_n_steps, collapse_load, patience
         self._counts: dict[str, torch.Tensor] = {}
+        self._counts_width: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
         self._over: dict[str, int] = {}
         self._warned: set[str] = set()
         self._handles: list[Any] = []
         self._aux = [0.0, 0]  # the window's aux-loss sum and count on this rank
         self.last: dict[str, dict[str, float]] = {}
+        self._active = False
         self.collapse_events: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer: Any, pl_module: L.LightningModule) -> None:
         layers = experts_modules(pl_module)
-        if not layers:
+        # a pipeline stage may hold no MoE layer while another does: the stages decide together whether to log
+        self._active = any(_merge_over_pp(trainer, {"found": [bool(layers)]}, concat=True)["found"])
+        if not self._active:
             rank_zero_warn("RouterMonitor: the model has no mixture-of-experts layers (transformers' experts "
                            "modules taking top_k_index); nothing to monitor.")
         for name, module in layers.items():
@@ -77,6 +84,7 @@ class RouterMonitor(L.Callback):
             if not module.training or not isinstance(index, torch.Tensor):
                 return
             counts = torch.bincount(index.detach().reshape(-1), minlength=module.num_experts)[:module.num_experts]
+            self._counts_width[name] = module.num_experts
             prev = self._counts.get(name)
             self._counts[name] = counts if prev is None else prev + counts
             self._tokens[name] = self._tokens.get(name, 0) + index.shape[0]
@@ -84,33 +92,46 @@ class RouterMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if (trainer.global_step % self.log_every_n_steps) or not self._counts:
+        if (trainer.global_step % self.log_every_n_steps) or not self._active:
             return
-        names = sorted(self._counts)
-        packed = torch.cat([self._counts[n].double() for n in names] +
-                           [torch.tensor([float(self._tokens[n]) for n in names] + self._aux, dtype=torch.float64,
-                                         device=self._counts[names[0]].device)])
-        group = _data_parallel_group(trainer)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(packed, group=group)  # tp/pp peers of a dp rank routed the same tokens: dp only
+        aux = self._aux
+        loads = self._reduce_over_dp(trainer)
         self._counts.clear()
         self._tokens.clear()
         self._aux = [0.0, 0]
-        if packed[-1] > 0:
-            pl_module.log("moe/aux_loss", float(packed[-2] / packed[-1]), rank_zero_only=True)
-        packed = packed[:-2]
-        offset, tokens = 0, packed[-len(names):]
-        for i, name in enumerate(names):
-            n = int(pl_module.get_submodule(name).num_experts)
-            counts = packed[offset:offset + n]
-            offset += n
-            total = float(tokens[i]) or 1.0
+        loads = _merge_over_pp(trainer, loads)  # rank 0 logs: it needs every stage's layers
+        aux = loads.pop(_AUX, aux)
+        if aux[1] > 0:
+            pl_module.log("moe/aux_loss", float(aux[0] / aux[1]), rank_zero_only=True)
+        for name in sorted(loads):
+            counts, tokens = loads[name]
+            total = float(tokens) or 1.0
             stats = {"max_load": float(counts.max()) / total, "experts_used": float((counts > 0).sum()),
                      "load_cv": float(counts.std(unbiased=False) / counts.mean().clamp(min=1e-12))}
             self.last[name] = stats
             for key, value in stats.items():
                 pl_module.log(f"moe/{name}/{key}", value, rank_zero_only=True)
             self._check_collapse(name, stats["max_load"], trainer.global_step)
+
+    def _reduce_over_dp(self, trainer: Any) -> dict[str, Any]:
+        """{layer: (expert token counts, tokens)} of this rank's stage, summed over the data-parallel ranks (tp peers
+        of a dp rank routed the same tokens), and the aux loss window under `_AUX`."""
+        names = sorted(self._counts)
+        if not names:
+            return {}
+        packed = torch.cat([self._counts[n].double() for n in names] +
+                           [torch.tensor([float(self._tokens[n]) for n in names] + self._aux, dtype=torch.float64,
+                                         device=self._counts[names[0]].device)])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(packed, group=_mesh_group(trainer, "dp"))
+        packed = packed.cpu()
+        out: dict[str, Any] = {_AUX: [float(packed[-2]), int(packed[-1])]}
+        offset, tokens = 0, packed[-2 - len(names):-2]
+        for i, name in enumerate(names):
+            n = self._counts_width[name]
+            out[name] = (packed[offset:offset + n], float(tokens[i]))
+            offset += n
+        return out
 
     def _check_collapse(self, name: str, load: float, step: int) -> None:
         self._over[name] = self._over.get(name, 0) + 1 if load > self.collapse_load else 0
@@ -140,8 +161,29 @@ def _aux_loss_sources(model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(n) for n in outer]
 
 
-def _data_parallel_group(trainer: Any) -> Optional[Any]:
+def _mesh_group(trainer: Any, dim: str) -> Optional[Any]:
     mesh = getattr(trainer.strategy, "device_mesh", None)
-    if mesh is not None and "dp" in (getattr(mesh, "mesh_dim_names", None) or ()):
-        return mesh["dp"].get_group()
+    if mesh is not None and dim in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return mesh[dim].get_group()
     return None
+
+
+def _merge_over_pp(trainer: Any, loads: dict[str, Any], concat: bool = False) -> dict[str, Any]:
+    """Every pipeline stage's layers on every rank of a pp line (each stage routes only its own blocks' tokens). Every
+    rank takes part on a logging step, a stage without MoE layers with nothing to add. Values under one key from
+    several stages are added (the aux loss window) or, with `concat`, joined."""
+    group = _mesh_group(trainer, "pp")
+    if group is None or dist.get_world_size(group) == 1:
+        return loads
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, loads, group=group)
+    merged: dict[str, Any] = {}
+    for part in gathered:
+        for name, value in part.items():
+            if name in merged and concat:
+                merged[name] = merged[name] + value
+            elif name == _AUX and name in merged:
+                merged[name] = [merged[name][0] + value[0], merged[name][1] + value[1]]
+            else:
+                merged[name] = value
+    return merged
