@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_npu.parallel.checkpoint.full_state import full_state_dict
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -83,8 +85,6 @@ class FullStateMultiProcessingLauncher(_MultiProcessingLauncher):
     main process's module is the trained one, as under ``"ddp_spawn"``."""
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        from lightning_npu.parallel.checkpoint.full_state import full_state_dict
-
         if trainer.state.fn != TrainerFn.FITTING:
             return super()._collect_rank_zero_results(trainer, results)
         state = full_state_dict(trainer.lightning_module)  # a collective: every rank
