@@ -33,10 +33,15 @@ from lightning_npu.parallel.checkpoint import commit as _commit
 from lightning_npu.parallel.checkpoint import safe_load as ckpt
 from lightning_npu.parallel.checkpoint import sharded
 from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
-from lightning_npu.parallel.checkpoint.full_state import full_state_dict, optimizer_groups, select_optimizer_state
+from lightning_npu.parallel.checkpoint.full_state import (
+    full_state_dict,
+    full_tensors,
+    optimizer_groups,
+    select_optimizer_state,
+    unfuse_full_tensors,
+)
 from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, by_position
 from lightning_npu.parallel.checkpoint.sharded import layout_metadata
-from lightning_npu.parallel.tensor_parallel.shards import full_tensors, unfuse_full_tensors
 
 _PathLike = Union[str, Path]
 
