@@ -100,7 +100,8 @@ def full_tensors(module: nn.Module, state: dict[str, Any], prefix: str = "") -> 
     return unfuse_full_tensors(full, fused_layout(module), prefix)
 
 
-def _cpu(state: dict[str, Any]) -> dict[str, Any]:
+def cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """Detached CPU copies of `state`'s tensors (what the full state hands out: nothing aliases the model)."""
     return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
@@ -203,7 +204,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     Under bf16-true/16-true with HybridPrecision's master weights (ZeRO 0, 2, 3) those fp32 masters are returned.
     """
     with _masters_as_parameters(module):  # this rank's stage, tp / dp shards gathered
-        state = _cpu(full_tensors(module, module.state_dict()))
+        state = cpu_copy(full_tensors(module, module.state_dict()))
     return _merged_stages(module, state)
 
 
@@ -258,8 +259,8 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, An
     groups = optimizer_groups(module, optimizer)
     with masters_as_parameters(module, [optimizer]):  # 16-bit params' fp32 masters are keyed by the params' FQNs
         flat = flat_state(module, optimizer)
-        state = _cpu(full_tensors(module, {k: v for k, v in flat.items() if k.startswith(STATE_PREFIX)},
-                                  STATE_PREFIX))
+        own = {k: v for k, v in flat.items() if k.startswith(STATE_PREFIX)}
+        state = cpu_copy(full_tensors(module, own, STATE_PREFIX))
     return by_position(groups, _merged_stages(module, state))  # each stage holds its own parameters' state
 
 
