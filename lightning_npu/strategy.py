@@ -42,6 +42,7 @@ from lightning_npu.parallel.checkpoint.full_state import (
     full_optimizer_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
+    shard_optimizer_state,
 )
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.context_parallel.runtime import ContextParallel
@@ -66,7 +67,6 @@ from lightning_npu.parallel.optim.rebind import parameters_by_id, rebind
 from lightning_npu.parallel.parallelize import apply_pp, parallelize
 from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
-from lightning_npu.parallel.tensor_parallel.shards import shard_optimizer_state
 from lightning_npu.precision.hybrid import HybridPrecision, as_hybrid_precision
 from lightning_npu.ui.progress import use_resumable_progress_bar
 from lightning_npu.ui.summary import use_whole_model_summary

@@ -51,8 +51,22 @@ def _rank(code: str, cwd: str, env: dict[str, str], log: str) -> None:
     os._exit(status)  # no interpreter teardown: gloo can abort while destroying process groups at exit
 
 
+def ranks(code: str) -> int:
+    """The processes a snippet runs as: the largest ``devices=N`` that a ``Trainer(...)`` call passes. Comments and
+    other calls (the planner's ``ClusterSpec(devices=64)`` describes a cluster, it trains nothing) launch none."""
+    code = re.sub(r"#[^\n]*", "", code)
+    counts = [1]
+    for m in re.finditer(r"\bTrainer\(", code):
+        depth, end = 1, m.end()
+        while end < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            end += 1
+        counts += [int(n) for n in re.findall(r"\bdevices=(\d+)", code[m.end():end])]
+    return max(counts)
+
+
 def run(code: str, cwd: str) -> tuple[bool, str]:
-    nprocs = max([int(n) for n in re.findall(r"devices=(\d+)", code)] or [1])
+    nprocs = ranks(code)
     port = free_port()
     log = os.path.join(cwd, "snippet.log")
     pids = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import GradientHealthGuard
+from lightning_npu.launch import spawn
 from lightning_npu.parallel.checkpoint.full_state import full_optimizer_state_dict
 from lightning_npu.parallel.data_parallel import wrap as data_parallel
 from lightning_npu.parallel.tensor_parallel.shards import tensor_parallel_parameter_names
@@ -252,14 +253,25 @@ def run_layout(layout: Layout, steps: int = STEPS, ckpt_dir: Optional[str] = Non
     return out
 
 
+def run_calls(calls: list[tuple[Callable[..., Any], dict[str, Any]]]) -> list[Any]:
+    """``fn(**kwargs)`` for each call, in order, in one process group: one launch checks several things (the
+    process start-up and imports are paid once). Each call is a module-level function and its arguments."""
+    out = []
+    for fn, kwargs in calls:
+        if dist.is_initialized():  # Lightning's environment deletes WORLD_SIZE at teardown; the next Trainer needs it
+            os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+        out.append(fn(**kwargs))
+    return out
+
+
+def launch_calls(devices: int, calls: list[tuple[Callable[..., Any], dict[str, Any]]]) -> list[list[Any]]:
+    """`calls` in one launch of `devices` processes (`run_calls`); per call, each rank's result."""
+    return [list(per_call) for per_call in zip(*spawn(run_calls, devices, calls))]
+
+
 def run_layouts(layouts: list[Layout]) -> list[dict[str, Any]]:
     """Several rows in one process group: the process start-up and imports are paid once."""
-    out = []
-    for layout in layouts:
-        # Lightning's environment deletes WORLD_SIZE at teardown; the next Trainer of this process needs it
-        os.environ["WORLD_SIZE"] = str(dist.get_world_size() if dist.is_initialized() else layout.devices)
-        out.append(run_layout(layout))
-    return out
+    return run_calls([(run_layout, {"layout": layout}) for layout in layouts])
 
 
 def references(layouts: list[Layout]) -> list[Layout]:

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 import lightning_npu
 from lightning_npu import NPUHybridStrategy
+from lightning_npu.parallel.checkpoint.full_state import full_tensor
 from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
-from lightning_npu.parallel.tensor_parallel.shards import full_tensor
 
 GLOBAL_BATCH, ACCUMULATE, STEPS, LR = 8, 2, 2, 0.1
 TOTAL = "grad_2.0_norm_total"

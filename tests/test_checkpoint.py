@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
+from tests._layouts import launch_calls
 from tests._zero_workers import crash_and_mismatch, run_many
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -28,8 +29,10 @@ def dp2(tmp_path_factory):
         dict(zero_stage=1, steps=6, ckpt_dir=str(e), limit_train_batches=3, async_save=True),
         dict(zero_stage=2, steps=6, ckpt_in=str(e / STEP3), limit_train_batches=3),
     ]
-    ranks = spawn(run_many, 2, configs)
-    return {"root": root, "zero1_dir": a, "zero3_dir": c, "zero1_async_dir": e, "ranks": ranks}
+    # and in the same launch (start-up and imports paid once), the crash mid-save and the mismatch errors
+    crash = tmp_path_factory.mktemp("crash")
+    ranks, crashed = launch_calls(2, [(run_many, dict(configs=configs)), (crash_and_mismatch, dict(tmp=str(crash)))])
+    return {"root": root, "zero1_dir": a, "zero3_dir": c, "zero1_async_dir": e, "ranks": ranks, "crash": crashed[0]}
 
 
 def assert_close_dicts(a: dict, b: dict) -> None:
@@ -127,8 +130,8 @@ def test_convert_checkpoint_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_crash_mid_save_keeps_previous_and_mismatch_errors_name_keys(tmp_path):
-    out = spawn(crash_and_mismatch, 2, str(tmp_path))[0]
+def test_crash_mid_save_keeps_previous_and_mismatch_errors_name_keys(dp2):
+    out = dp2["crash"]
     assert out["error"].startswith("CheckpointSaveError") and "injected failure" in out["error"], out["error"]
     # the overwrite never happened: the old checkpoint is intact (with its marker), the partial temp dir is gone
     assert out["leftovers"] == ["last.ckpt", "last.ckpt.complete"], out["leftovers"]

@@ -23,16 +23,23 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout(request):
-    kw = LAYOUTS[request.param]
-    scenarios = [dict(compression=c, steps=STEPS, devices=4, **kw) for c in (None, NOTHING, MLP_BF16)]
-    return request.param, spawn(run_many, 4, scenarios)
+COMPRESSIONS = (None, NOTHING, MLP_BF16)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every layout's three runs in one 4-process launch (start-up and imports paid once): name -> each rank's
+    (plain, nothing, mlp) runs."""
+    scenarios = [dict(compression=c, steps=STEPS, devices=4, **kw) for kw in LAYOUTS.values() for c in COMPRESSIONS]
+    ranks = spawn(run_many, 4, scenarios)
+    n = len(COMPRESSIONS)
+    return {name: [rank[i * n:(i + 1) * n] for rank in ranks] for i, name in enumerate(LAYOUTS)}
 
 
 @pytest.mark.slow
-def test_compression_under_tp_and_pp(layout):
-    name, ranks = layout
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compression_under_tp_and_pp(runs, name):
+    ranks = runs[name]
     print(name, [(r["bytes"], r["calls"] and sorted(r["calls"].items()), r["losses"][-1]) for r in ranks[0]])
     for rank in ranks:
         plain, nothing, mlp = rank

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lightning_npu.launch import spawn
-from tests._compression_workers import run_many
+from tests._compression_workers import run_many, run_many_branches, unmatched_glob_error
+from tests._layouts import launch_calls
 
 STEPS, ACC = 4, 2
 MODES = [None, "bf16", {"mode": "topk", "ratio": 0.05}]  # the last one is TOPK_EF
@@ -17,7 +17,9 @@ TOPK_EF = {"mode": "topk", "ratio": 0.05}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launch(tmp_path_factory):
+    """The module's every run in one 2-process launch (start-up and imports paid once): the GPT scenarios, the
+    two-branch glob scenarios, then the refused glob; per call, each rank's result."""
     ckpt = tmp_path_factory.mktemp("ckpt")
     resume = [dict(zero_stage=1, compression=TOPK_EF, steps=2, accumulate=ACC, ckpt_dir=str(ckpt)),
               dict(zero_stage=1, compression=TOPK_EF, steps=4, accumulate=ACC, ckpt_in=str(ckpt / "epoch=0-step=2.ckpt"))]
@@ -27,7 +29,19 @@ def runs(tmp_path_factory):
     resume0 = [dict(zero_stage=0, compression=TOPK_EF, steps=2, accumulate=ACC, ckpt_dir=str(ckpt / "z0")),
                dict(zero_stage=0, compression=TOPK_EF, steps=4, accumulate=ACC,
                     ckpt_in=str(ckpt / "z0" / "epoch=0-step=2.ckpt"))]
-    return spawn(run_many, 2, SCENARIOS + resume + powersgd + resume0)[0]
+    branches = [dict(zero_stage=z, compression=c, steps=s) for z in (0, 1) for c, s in
+                ((None, 1), (INT8_TEXT, 1), (INT8_TEXT, 3))]
+    return launch_calls(2, [
+        (run_many, dict(scenarios=SCENARIOS + resume + powersgd + resume0)),
+        (run_many_branches, dict(scenarios=branches)),
+        # a failed `fit` last: nothing runs after it in this process group
+        (unmatched_glob_error, dict(compression={"text.*": "int8", "txet.*": None})),
+    ])
+
+
+@pytest.fixture(scope="module")
+def runs(launch):
+    return launch[0][0]
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -76,12 +90,8 @@ def _int8_bytes(n: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def branches():
-    from tests._compression_workers import run_many_branches
-
-    scenarios = [dict(zero_stage=z, compression=c, steps=s) for z in (0, 1) for c, s in
-                 ((None, 1), (INT8_TEXT, 1), (INT8_TEXT, 3))]
-    return spawn(run_many_branches, 2, scenarios)
+def branches(launch):
+    return launch[1]
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -104,9 +114,6 @@ def test_globs_compress_one_branch(branches, zero):
     assert branches[0][3 * zero + 2]["calls"] == branches[1][3 * zero + 2]["calls"]
 
 
-def test_a_glob_that_matches_no_parameter_is_refused():
-    from tests._compression_workers import unmatched_glob_error
-
-    errors = spawn(unmatched_glob_error, 2, {"text.*": "int8", "txet.*": None})
-    for err in errors:
+def test_a_glob_that_matches_no_parameter_is_refused(launch):
+    for err in launch[2]:
         assert err.startswith("ParallelConfigError: `gradient_compression['txet.*']` matches no parameter of TwoBranches"), err

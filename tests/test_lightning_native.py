@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_npu.launch import spawn
+from tests._layouts import launch_calls
 from tests._lightning_native_workers import STEPS, fit_lr_monitor, run_group
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -57,9 +57,18 @@ def check_fp32(name: str, ranks: list[dict], synced_across_ranks: bool) -> None:
             close(got[name]["state"][key], value, f"{name} rank {rank} {key}")
 
 
-@pytest.mark.timeout(240)
-def test_dp_zero_stages():
-    ranks = spawn(run_group, 2, DP_LAYOUTS, True, LR_LAYOUTS)
+@pytest.fixture(scope="module")
+def dp2() -> dict:
+    """The module's 2-process runs in one launch (start-up and imports paid once): the dp layouts (with the
+    unused-parameter check and the LR-monitor runs), then the tp layouts; per group, each rank's results."""
+    dp, tp = launch_calls(2, [(run_group, dict(layouts=DP_LAYOUTS, unused_check=True, lr_layouts=LR_LAYOUTS)),
+                              (run_group, dict(layouts=TP_LAYOUTS, unused_check=False))])
+    return {"dp": dp, "tp": tp}
+
+
+@pytest.mark.timeout(420)  # the module's one launch runs inside the first test that asks for it: 240 s + 180 s
+def test_dp_zero_stages(dp2):
+    ranks = dp2["dp"]
     for name in ("zero0", "zero1", "zero2", "zero3"):
         check_fp32(name, ranks, synced_across_ranks=True)
     for rank in ranks:
@@ -114,9 +123,9 @@ def test_lr_monitor_one_process_matches_auto(tmp_path):
     assert header["npu_hybrid"] == header["auto"] and {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= set(header["auto"])
 
 
-@pytest.mark.timeout(180)
-def test_tp2():
-    ranks = spawn(run_group, 2, TP_LAYOUTS, False)
+@pytest.mark.timeout(420)
+def test_tp2(dp2):
+    ranks = dp2["tp"]
     for name, *_ in TP_LAYOUTS:
         # tp=2, dp=1: p.grad is this rank's tp shard (a plain local shard under zero 0/1, a DTensor under zero 3);
         # the gathered gradient and lightning_npu.grad_norm are the global ones

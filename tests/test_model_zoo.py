@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_npu.launch import spawn
+from tests._layouts import launch_calls
 from tests._model_zoo_workers import MODELS, Case, run_zoo
 
 LOSS_RTOL, STATE_ATOL = 1e-4, 1e-5
@@ -77,10 +77,14 @@ REFUSED = {  # (layout, case) -> what the error must say
 
 @pytest.fixture(scope="module")
 def zoo() -> dict:
-    reference = spawn(run_zoo, 1, {"zero_stage": 0}, {name: Case(name) for name in MODELS})[0]
-    reference_bf16 = spawn(run_zoo, 1, {"zero_stage": 0, **BF16}, {name: Case(name) for name in DECODERS})[0]
-    runs = {layout: spawn(run_zoo, 2, strategy, cases) for layout, (strategy, cases) in LAYOUTS.items()}
-    return {"reference": reference, "reference bf16": reference_bf16, **runs}
+    """Two launches (start-up and imports paid once each): the one-process references (fp32, bf16), then every
+    2-process layout in turn in one process group."""
+    (reference,), (reference_bf16,) = launch_calls(1, [
+        (run_zoo, dict(strategy_kwargs={"zero_stage": 0}, cases={name: Case(name) for name in MODELS})),
+        (run_zoo, dict(strategy_kwargs={"zero_stage": 0, **BF16}, cases={name: Case(name) for name in DECODERS})),
+    ])
+    got = launch_calls(2, [(run_zoo, dict(strategy_kwargs=strategy, cases=cases)) for strategy, cases in LAYOUTS.values()])
+    return {"reference": reference, "reference bf16": reference_bf16, **dict(zip(LAYOUTS, got))}
 
 
 def reference_of(zoo: dict, layout: str) -> dict:

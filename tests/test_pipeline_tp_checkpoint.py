@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lightning_npu.launch import spawn
+from lightning_npu.parallel.checkpoint.full_state import unfuse_full_tensors
 from lightning_npu.parallel.checkpoint.sharded import consolidate_model_state
 from lightning_npu.parallel.config import ParallelConfig
-from lightning_npu.parallel.tensor_parallel.shards import unfuse_full_tensors
 from tests._pp_tp_workers import run_many
 from tests.test_pipeline_zero import STEP3, assert_losses, assert_same, merged
 

@@ -95,21 +95,15 @@ def pp2_dp2(single):
 
 
 @pytest.fixture(scope="module")
-def pp1_from_pp2(single, pp2):
-    """One process resumes the pp=2 ZeRO-1 checkpoint (pp=2 -> pp=1, ZeRO 0/1)."""
-    return spawn(run_many, 1, [
+def pp1_resumes(single, pp2, pp2_dp2):
+    """One process, one launch: resumes the pp=2 ZeRO-1 checkpoint (pp=2 -> pp=1, ZeRO 0/1), and the pp=2 x dp=2
+    ZeRO 2 and ZeRO 3 checkpoints under ZeRO 2 / ZeRO 3 (world 4 -> 1)."""
+    from_pp2, z2, z3 = spawn(run_many, 1, [
         dict(steps=6, strategy_kwargs={"zero_stage": 1}, ckpt_in=str(ckpt_path(single, "pp2_zero1"))),
-    ])[0][0]
-
-
-@pytest.fixture(scope="module")
-def pp1_from_pp2_dp2(single, pp2_dp2):
-    """One process resumes the pp=2 x dp=2 ZeRO 2 and ZeRO 3 checkpoints under ZeRO 2 / ZeRO 3 (world 4 -> 1)."""
-    z2, z3 = spawn(run_many, 1, [
         dict(steps=6, strategy_kwargs={"zero_stage": 2}, ckpt_in=str(ckpt_path(single, "pp2dp2_zero2"))),
         dict(steps=6, strategy_kwargs={"zero_stage": 3}, ckpt_in=str(ckpt_path(single, "pp2dp2_zero3"))),
     ])[0]
-    return {2: z2, 3: z3}
+    return {"pp2": from_pp2, 2: z2, 3: z3}
 
 
 def check_resume(resumed: list, uninterrupted: list, saved: dict) -> None:
@@ -164,11 +158,11 @@ def test_pp2_dp2_zero_accumulation_matches_and_skips_reduce_scatter(single, pp2_
 
 
 # ---- resharding checkpoints across pipeline sizes ------------------------------------------------------
-def test_pp2_zero1_checkpoint_resumes_under_pp1(single, pp2, pp1_from_pp2):
+def test_pp2_zero1_checkpoint_resumes_under_pp1(single, pp2, pp1_resumes):
     saver = pp2["save"]
     assert_losses(saver[0]["logged"], single["ref6"]["logged"])  # the pp=2 run is the uninterrupted run
     saved, _ = consolidate_model_state(ckpt_path(single, "pp2_zero1"))
-    check_resume([pp1_from_pp2], saver, saved)
+    check_resume([pp1_resumes["pp2"]], saver, saved)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
@@ -182,12 +176,12 @@ def test_pp1_checkpoint_resumes_under_pp2(single, pp2, zero_stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_pp2_dp2_zero_checkpoint_resumes_under_pp1(single, pp2_dp2, pp1_from_pp2_dp2, zero_stage):
+def test_pp2_dp2_zero_checkpoint_resumes_under_pp1(single, pp2_dp2, pp1_resumes, zero_stage):
     name = {2: "zero2", 3: "zero3_interleaved"}[zero_stage]
     saved, meta = consolidate_model_state(ckpt_path(single, f"pp2dp2_zero{zero_stage}"))
     layout = meta["lightning_npu"]
     assert (layout["pipeline_parallel_size"], layout["data_parallel_size"], layout["zero_stage"]) == (2, 2, zero_stage)
-    check_resume([pp1_from_pp2_dp2[zero_stage]], pp2_dp2[name], saved)
+    check_resume([pp1_resumes[zero_stage]], pp2_dp2[name], saved)
 
 
 # ---- configuration ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from lightning_npu import HybridPrecision
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.checkpoint.safe_load import checkpoint_tensor_metadata, read_meta
 from lightning_npu.precision.loss_scaler import DynamicLossScaler
-from tests._precision_workers import loss_curves, train, train_many
+from tests._precision_workers import loss_curves, train_many
 
 # fp32 parity tolerances, as in tests/test_foundation_parity.py (see there for why atol 1e-6 on params)
 RTOL, ATOL = 1e-5, 1e-6
@@ -193,27 +193,64 @@ def _assert_skipped_everywhere(ranks: list[dict]) -> None:
         assert torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]), k
 
 
-def test_overflow_on_one_rank_skips_everywhere_under_zero1():
+_TRAIN_ARGS = ("steps", "precision", "global_batch", "strategy_kwargs", "model_kwargs", "plugin_kwargs",
+               "gradient_clip_val", "recorder_kwargs")
+
+
+def _overflow(precision: str, zero_stage: int, **kw) -> dict:
+    """A dp=2 `train` config with the injected overflows (`_overflow_args`), 3-step epochs."""
+    return dict(devices=2, **dict(zip(_TRAIN_ARGS, _overflow_args(precision, zero_stage))),
+                **dict(zip(("seed", "limit_train_batches"), _EPOCHS)), **kw)
+
+
+def _bf16_true(zero_stage: int, **kw) -> dict:
+    return dict(devices=2, steps=6, precision="bf16-true",  # about sharded (DCP) checkpoints: ask for them
+                strategy_kwargs={"zero_stage": zero_stage, "save_distributed_checkpoint": True},
+                model_kwargs={"warmup_steps": 4}, recorder_kwargs={"snapshot_masters": True},
+                limit_train_batches=3, **kw)
+
+
+BF16_TRUE_STAGES = (0, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """Every dp=2 run of the module in two launches (start-up and imports paid once each): the uninterrupted runs
+    (the bf16-true overflow run, the bf16-mixed one checkpointing, bf16-true under ZeRO 0/1/3 checkpointing), then
+    the resumes from their step-3 checkpoints. Each run's per-rank results, by name."""
+    root = tmp_path_factory.mktemp("precision")
+    ckpt = {"overflow": root / "overflow", **{z: root / f"zero{z}" for z in BF16_TRUE_STAGES}}
+    step3 = {k: v / "epoch=0-step=3.ckpt" for k, v in ckpt.items()}
+    full = [_overflow("bf16-true", 1, ckpt_dir=None), _overflow("bf16-mixed", 0, ckpt_dir=str(ckpt["overflow"])),
+            *(_bf16_true(z, ckpt_dir=str(ckpt[z])) for z in BF16_TRUE_STAGES)]
+    resumed = [_overflow("bf16-mixed", 0, ckpt_in=str(step3["overflow"])),
+               *(_bf16_true(z, ckpt_in=str(step3[z])) for z in BF16_TRUE_STAGES)]
+    runs = [spawn(train_many, 2, configs) for configs in (full, resumed)]
+    full_ranks, resumed_ranks = ([[rank[i] for rank in ranks] for i in range(len(ranks[0]))] for ranks in runs)
+    return {"step3": step3, "skip_zero1": full_ranks[0], "overflow": full_ranks[1],
+            "overflow_resumed": resumed_ranks[0], "bf16_true": dict(zip(BF16_TRUE_STAGES, full_ranks[2:])),
+            "bf16_true_resumed": dict(zip(BF16_TRUE_STAGES, resumed_ranks[1:]))}
+
+
+def test_overflow_on_one_rank_skips_everywhere_under_zero1(dp2):
     """An inf in rank 1's gradient only (after DDP's all-reduce) at steps 2 and 3: both ranks skip both steps
     (parameters and LR schedule unchanged; a per-rank decision would deadlock ZeRO-1's all-gathers), the scale
     halves on the second overflow (hysteresis 2), then grows after 3 clean steps; training continues.
     bf16-true: bf16 parameters, the DistributedOptimizer's fp32 master slices."""
-    _assert_skipped_everywhere(spawn(train, 2, 2, *_overflow_args("bf16-true", 1), None, None, *_EPOCHS))
+    _assert_skipped_everywhere(dp2["skip_zero1"])
 
 
-def test_overflow_skip_and_resume_restore_the_loss_scale(tmp_path):
+def test_overflow_skip_and_resume_restore_the_loss_scale(dp2):
     """bf16-mixed, dp=2 (DDP): the same skips; a run resumed from the step-3 checkpoint restores the scaler
     (incl. its hysteresis state) exactly and repeats the uninterrupted run bit for bit. (ZeRO-1 + scheduler resume:
     tests/test_foundation_parity.py; bf16-true under ZeRO 0/1: test_bf16_true_checkpoint_resume_dp2_zero0_1_3.)"""
-    args = _overflow_args("bf16-mixed", 0)
-    full = spawn(train, 2, 2, *args, str(tmp_path), None, *_EPOCHS)
+    full = dp2["overflow"]
     _assert_skipped_everywhere(full)
-    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    ckpt = dp2["step3"]["overflow"]
     # the default single file under dp-only ZeRO 0 (a sharded directory keeps it in rank 0's meta.pt)
     saved = (read_meta(ckpt) if ckpt.is_dir() else torch.load(ckpt, weights_only=False))["HybridPrecision"]
     assert saved["loss_scaler"] == {"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 1}
-    resumed = spawn(train, 2, 2, *args, None, str(ckpt), *_EPOCHS)
-    for r, f in zip(resumed, full):  # each rank's local losses (ranks see different data)
+    for r, f in zip(dp2["overflow_resumed"], full):  # each rank's local losses (ranks see different data)
         assert r["global_step"] == 8
         # a fresh scaler (hysteresis 2) would absorb step 3's overflow and keep 1024
         assert [row["loss_scale"] for row in r["rows"]] == [512, 512, 512, 1024, 1024]
@@ -231,30 +268,18 @@ def test_bf16_mixed_loss_curve_tracks_fp32():
     assert not torch.equal(bf16, fp32)  # and it really computed in bf16
 
 
-def test_bf16_true_checkpoint_resume_dp2_zero0_1_3(tmp_path):
+def test_bf16_true_checkpoint_resume_dp2_zero0_1_3(dp2):
     """bf16-true keeps fp32 master weights outside the module (HybridPrecision's under ZeRO 0, the
     DistributedOptimizer's slices under ZeRO 1; the optimizer steps them): a sharded (DCP)
     checkpoint must still save (DCP keys optimizer state by parameter FQN), hold the fp32 masters exactly, and a
     resumed run must restore them bit for bit and repeat the uninterrupted loss curve, under ZeRO 0 and ZeRO 1."""
-    def config(zero_stage: int, **kw) -> dict:
-        return dict(devices=2, steps=6, precision="bf16-true",  # about sharded (DCP) checkpoints: ask for them
-                    strategy_kwargs={"zero_stage": zero_stage, "save_distributed_checkpoint": True},
-                    model_kwargs={"warmup_steps": 4}, recorder_kwargs={"snapshot_masters": True},
-                    limit_train_batches=3, **kw)
-
-    stages = (0, 1, 3)
-    dirs = {z: tmp_path / f"zero{z}" for z in stages}
-    full = spawn(train_many, 2, [config(z, ckpt_dir=str(dirs[z])) for z in stages])
-    ckpts = {z: dirs[z] / "epoch=0-step=3.ckpt" for z in stages}
-    resumed = spawn(train_many, 2, [config(z, ckpt_in=str(ckpts[z])) for z in stages])
-    for i, z in enumerate(stages):
-        meta = read_meta(ckpts[z])
+    for z in BF16_TRUE_STAGES:
+        meta = read_meta(dp2["step3"][z])
         assert "master_weights" not in meta["HybridPrecision"]  # they are the DCP model tensors, fp32
-        stored = checkpoint_tensor_metadata(ckpts[z])
+        stored = checkpoint_tensor_metadata(dp2["step3"][z])
         assert stored["state_dict.model.lm_head.weight"].properties.dtype == torch.float32
         assert any(k.startswith("optimizer_0.state.") and k.endswith(".exp_avg_sq") for k in stored)
-        for rank in range(2):
-            f, r = full[rank][i], resumed[rank][i]
+        for f, r in zip(dp2["bf16_true"][z], dp2["bf16_true_resumed"][z]):
             assert r["global_step"] == 6 and r["plugin"] == "HybridPrecision"
             saved = f["rows"][2]["masters"]
             assert saved and r["start_masters"].keys() == saved.keys()

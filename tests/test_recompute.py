@@ -14,11 +14,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lightning_npu
 from examples.gpt.model import GPT, GPTConfig, GPTModule
 from lightning_npu import NPUHybridStrategy
-from lightning_npu.launch import spawn
 from lightning_npu.callbacks import MemoryMonitor
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.recompute import apply_activation_checkpointing
 from tests._gpt_workers import SMALL_GPT, LossRecorder, parity_trainer
+from tests._layouts import launch_calls
 
 POLICIES = [1, 2, 4, "full", "selective"]
 
@@ -128,11 +128,19 @@ def _compare_layouts() -> list:
     return [(_train(layout, None, precision), _train(layout, policy, precision)) for layout, policy, precision in LAYOUTS]
 
 
-def test_recompute_is_exact_in_every_layout():
+@pytest.fixture(scope="module")
+def dp2():
+    """The module's 2-process runs in one launch (start-up and imports paid once): the memory-budget runs first (a
+    fresh process, as alone), then every layout with and without recompute; per call, each rank's result."""
+    auto, layouts = launch_calls(2, [(_auto_runs, {}), (_compare_layouts, {})])
+    return {"auto": auto, "layouts": layouts}
+
+
+def test_recompute_is_exact_in_every_layout(dp2):
     """tp (with and without sequence parallelism), pp, ZeRO-3, and bf16-mixed with fused ops, dropout on: the same
     losses and parameters as the same layout without recompute (the recompute redraws the same dropout masks on every
     rank and runs under the same autocast state)."""
-    for rank, results in enumerate(spawn(_compare_layouts, 2)):
+    for rank, results in enumerate(dp2["layouts"]):
         for (layout, policy, precision), (ref, got) in zip(LAYOUTS, results):
             where = f"rank {rank}, {layout}, {policy!r}, {precision}"
             assert got["checkpointed"], where
@@ -166,8 +174,8 @@ def _auto_runs() -> dict:
             "middle": _fit_auto("auto", middle_gb), "middle_gb": middle_gb}
 
 
-def test_auto_fits_the_budget_with_the_fewest_blocks():
-    for rank, runs in enumerate(spawn(_auto_runs, 2)):
+def test_auto_fits_the_budget_with_the_fewest_blocks(dp2):
+    for rank, runs in enumerate(dp2["auto"]):
         none, roomy, tight, middle = runs["none"], runs["roomy"], runs["tight"], runs["middle"]
         assert roomy["k"] == 0 and not roomy["warned"], rank  # everything fits: nothing recomputed after step 1
         assert tight["k"] == 4 and tight["warned"], rank  # nothing fits: every block, and a warning

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from examples.gpt.model import GPT, GPTConfig
-from lightning_npu.launch import spawn
 from lightning_npu.ops import extension, rewrite_modules
 from lightning_npu.ops.modules import FusedModule
+from tests._layouts import launch_calls
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -139,11 +139,18 @@ def test_transformers_models(arch):
     assert_same_training_signal(plain, fused, lambda m: m(idx).logits)
 
 
-def test_fuse_ops_training_dp2_matches_unfused():
+@pytest.fixture(scope="module")
+def dp2():
+    """The module's 2-process checks in one launch (start-up and imports paid once): the GPT trained without and
+    with the fused ops, then fused ops on DTensor inputs; per call, each rank's result."""
     from tests import _ops_workers as w
 
-    plain = spawn(w.train_small_gpt, 2, False)
-    fused = spawn(w.train_small_gpt, 2, True)
+    return launch_calls(2, [(w.train_small_gpt, dict(fuse_ops=False)), (w.train_small_gpt, dict(fuse_ops=True)),
+                            (w.dtensor_local_shards, {})])
+
+
+def test_fuse_ops_training_dp2_matches_unfused(dp2):
+    plain, fused, _ = dp2
     assert fused[0]["replaced"] and not plain[0]["replaced"]
     for rank in range(2):
         torch.testing.assert_close(fused[rank]["losses"], plain[rank]["losses"], rtol=1e-5, atol=1e-6)
@@ -160,9 +167,7 @@ def test_fuse_ops_training_dp2_matches_unfused():
             torch.testing.assert_close(got, v, rtol=1e-4, atol=1e-6, msg=k)
 
 
-def test_dtensor_inputs_run_on_local_shards():
-    from tests import _ops_workers as w
-
-    for rank_result in spawn(w.dtensor_local_shards, 2):
+def test_dtensor_inputs_run_on_local_shards(dp2):
+    for rank_result in dp2[2]:
         for what, err in rank_result.items():
             assert err < 1e-5, (what, err)

@@ -33,10 +33,16 @@ from lightning_npu.parallel.checkpoint import commit as _commit
 from lightning_npu.parallel.checkpoint import safe_load as ckpt
 from lightning_npu.parallel.checkpoint import sharded
 from lightning_npu.parallel.checkpoint.errors import CheckpointSaveError
-from lightning_npu.parallel.checkpoint.full_state import full_state_dict, optimizer_groups, select_optimizer_state
+from lightning_npu.parallel.checkpoint.full_state import (
+    cpu_copy,
+    full_state_dict,
+    full_tensors,
+    optimizer_groups,
+    select_optimizer_state,
+    unfuse_full_tensors,
+)
 from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, by_position
 from lightning_npu.parallel.checkpoint.sharded import layout_metadata
-from lightning_npu.parallel.tensor_parallel.shards import full_tensors, unfuse_full_tensors
 
 _PathLike = Union[str, Path]
 
@@ -58,7 +64,7 @@ def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> di
     state = full_state_dict(module)
     for opt in distributed_optimizers:
         masters = {fqn: m for fqn, m in opt.master_state_dict().items() if fqn in state and state[fqn].dtype != m.dtype}
-        state.update({k: v.detach().cpu().clone() for k, v in full_tensors(module, masters).items()})
+        state.update(cpu_copy(full_tensors(module, masters)))
     return state
 
 

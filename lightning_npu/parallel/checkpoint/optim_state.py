@@ -12,8 +12,20 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 STATE_PREFIX = "state."
+FLAT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def flat_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """This rank's state of `optimizer` (unwrapped) in the flat FQN-keyed form, as it holds it: a ZeRO-1
+    `DistributedOptimizer`'s DTensor slices, FSDP2's DTensor shards, or plain local tp shards."""
+    if hasattr(optimizer, "sharded_state_dict"):
+        return optimizer.sharded_state_dict()
+    with initialised_state(optimizer):
+        return get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIONS)
 
 
 def state_key(fqn: str, name: str) -> str:

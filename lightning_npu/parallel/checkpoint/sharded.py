@@ -62,18 +62,24 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.checkpoint import commit as _commit
 from lightning_npu.parallel.checkpoint.commit import ChecksumStream, CommitRequest, checksums_enabled, temp_path
 from lightning_npu.parallel.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError
-from lightning_npu.parallel.checkpoint.optim_state import STATE_PREFIX, initialised_state, split_state_key
+from lightning_npu.parallel.checkpoint.full_state import relayout_fused, shard_like, unfuse_full_tensors
+from lightning_npu.parallel.checkpoint.optim_state import (
+    FLAT_OPTIONS,
+    STATE_PREFIX,
+    flat_state,
+    initialised_state,
+    split_state_key,
+)
 from lightning_npu.parallel.checkpoint.safe_load import (
     META_FILENAME,
     _PathLike,
@@ -85,12 +91,11 @@ from lightning_npu.parallel.checkpoint.safe_load import (
 from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 from lightning_npu.parallel.state import tensor_state
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
-from lightning_npu.parallel.tensor_parallel.shards import fused_layout, refuse_fused, unfuse_full_tensors
+from lightning_npu.parallel.tensor_parallel.shards import fused_layout
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MODEL_KEY = "state_dict"
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 # ---- layout-independent state dicts ----------------------------------------------------------
@@ -122,10 +127,9 @@ def model_state_dict(module: torch.nn.Module, optimizers: Iterable[Optimizer] = 
 def optimizer_state_dict(module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Flattened, FQN-keyed optimizer state of this rank (its ZeRO-1 slices, FSDP shards, or TP local shards)."""
     local = unwrap_optimizer(optimizer)
+    osd = flat_state(module, local)
     if hasattr(local, "sharded_state_dict"):
-        return local.sharded_state_dict()  # ZeRO-1 DistributedOptimizer: DTensor slices
-    with initialised_state(local):
-        osd = get_optimizer_state_dict(module, local, options=_OPTIM_OPTIONS)
+        return osd  # ZeRO-1 DistributedOptimizer: DTensor slices
     params = dict(module.named_parameters(remove_duplicate=False))
     for key, value in osd.items():
         if key.startswith(STATE_PREFIX):
@@ -170,7 +174,7 @@ def load_optimizer_state(module: torch.nn.Module, optimizer: Optimizer, state: d
         local.load_sharded_state_dict(state)
         return
     with initialised_state(local):
-        set_optimizer_state_dict(module, local, state, options=_OPTIM_OPTIONS)
+        set_optimizer_state_dict(module, local, state, options=FLAT_OPTIONS)
 
 
 # ---- paths ------------------------------------------------------------------------------------
@@ -527,7 +531,7 @@ def fused_layout_changes(meta: dict[str, Any], module: torch.nn.Module) -> bool:
     """Whether the checkpoint stores fused projections (q|k|v, gate|up) in another layout than `module` uses.
 
     Under ZeRO 2/3 x TP the DCP tensors are the parameters' DTensors, whose fused projections are reordered
-    rank-major for the saving tp size (`tp_shards`); any other tp size needs the relayout step of
+    rank-major for the saving tp size (`full_state`); any other tp size needs the relayout step of
     :func:`load_directory`."""
     saved = (meta.get("lightning_npu") or {}).get("fused") or {}
     current = fused_layout(module)
@@ -541,28 +545,13 @@ def _full_like(stored: Any, value: Any) -> Any:
     return value
 
 
-def _shard_like(full: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
-    """This rank's (dp, tp) shard of each full tensor, laid out as `like`'s (local slicing, no communication)."""
-    out = {}
-    for k, v in like.items():
-        f = full[k]
-        if isinstance(v, DTensor) and isinstance(f, torch.Tensor) and not isinstance(f, DTensor):
-            f = distribute_tensor(f.to(v.dtype), v.device_mesh, v.placements, src_data_rank=None)
-        elif isinstance(v, torch.Tensor) and isinstance(f, torch.Tensor):
-            f = f.to(device=v.device, dtype=v.dtype)
-        out[k] = f
-    return out
-
-
 def _relayout(full: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]], saved: dict[str, Any],
               current: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Full tensors read in the saving tp size's fused layout -> the original layout -> the current one, then each
-    rank's own shards of them."""
+    """Full tensors read in the saving tp size's fused layout -> the current one, then each rank's own shards."""
     out = {}
     for part, tensors in full.items():
         prefix = "" if part == MODEL_KEY else STATE_PREFIX
-        tensors = refuse_fused(unfuse_full_tensors(tensors, saved, prefix), current, prefix)
-        out[part] = _shard_like(tensors, templates[part])
+        out[part] = shard_like(relayout_fused(tensors, saved, current, prefix), templates[part])
     return out
 
 

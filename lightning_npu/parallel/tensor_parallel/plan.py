@@ -19,12 +19,12 @@ An ordinary PyTorch model is sharded without rewriting its layers:
   logits runs DTensor's ``loss_parallel`` (max-subtracted log-softmax, never gathering the logits)
   and returns a plain tensor, so an unchanged ``training_step`` can ``self.log`` it;
 * how the sharded parameters are then held (DTensors, or plain local shards under ZeRO 0/1) and
-  translated to and from full tensors is `tp_shards`' business alone.
+  translated to and from full tensors is `checkpoint.full_state`'s business alone.
 
 Fused projections (GPT-2's ``c_attn`` = q|k|v, ``gate_up_proj`` = gate|up) are column-sharded so
 that each rank holds *its* heads of every part: the output rows are reordered rank-major before
 sharding (rank r holds ``[q_r, k_r, v_r]``), so the unchanged ``view(b, t, 3, heads, head_dim)``
-of the model sees its local heads. The reordering is internal: `tp_shards.full_tensors` undoes it,
+of the model sees its local heads. The reordering is internal: `checkpoint.full_state` undoes it,
 so checkpoints and ``state_dict`` keys and layouts are those of the unsharded model.
 """
 

@@ -10,10 +10,11 @@ optimizer steps without DTensor dispatch (measured: tp=2 at 1.5x the tokens/s of
 * `sharding_of`: the mesh, placements and full shape of a parameter (either storage);
 * `as_dtensor`: a parameter, its gradient or a parameter-shaped optimizer state as a DTensor over the same
   storage (checkpoints hand these to DCP, which writes global offsets and loads in place);
-* `full_tensors` / `load_full_tensors` / `shard_optimizer_state`: to and from full tensors in the model's
-  original layout. Fused projections (``c_attn`` = q|k|v) are sharded rank-major (`tensor.Colwise`); their
-  layout is recorded per FQN (`fused_layout`) because FSDP2 replaces the parameter objects, and it is undone
-  here, once.
+* `fused_layout`: fused projections (``c_attn`` = q|k|v) are sharded rank-major (`styles.Colwise`); their
+  layout is recorded per FQN, because FSDP2 replaces the parameter objects.
+
+Converting shards to and from full tensors in the model's original layout (gathers, slicing, undoing the
+rank-major order) is `lightning_npu.parallel.checkpoint.full_state`'s, alone.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from lightning_npu.parallel.checkpoint.optim_state import split_state_key
 from lightning_npu.parallel.state import module_state, tensor_state
-from lightning_npu.parallel.tensor_parallel.styles import _is_fused, _part_major, _rank_major
+from lightning_npu.parallel.tensor_parallel.styles import _is_fused
 
 
 class Sharding(NamedTuple):
@@ -108,7 +108,7 @@ def tensor_parallel_parameter_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if sharding_of(p) is not None]
 
 
-# ---- fused projections: recorded per FQN, undone once -------------------------------------------------------
+# ---- fused projections: recorded per FQN --------------------------------------------------------------------
 def fused_parameters(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """FQN -> (dim, parts, tp) of the rank-major fused DTensor parameters (parts: a count, or the parts' sizes),
     read right after tp is applied (before localizing or FSDP2 replaces the parameter objects)."""
@@ -128,102 +128,6 @@ def fused_layout(model: nn.Module) -> dict[str, tuple[int, int, int]]:
 
 def set_fused_layout(model: nn.Module, fused: dict[str, tuple[int, int, int]]) -> None:
     module_state(model).fused = dict(fused)
-
-
-def unfuse_full_tensors(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Full tensors of rank-major fused projections -> the original (part-major) layout. Keys may carry `prefix`
-    (``"state."`` for optimizer entries, whose keys then end in ``.<state name>``)."""
-    return _map_fused(full, fused, prefix, _part_major)
-
-
-def refuse_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Inverse of :func:`unfuse_full_tensors`: original layout -> the rank-major layout of `fused`'s tp size."""
-    return _map_fused(full, fused, prefix, _rank_major)
-
-
-def _map_fused(full: dict[str, Any], fused: dict[str, Any], prefix: str, relayout: Any) -> dict[str, Any]:
-    out = dict(full)
-    for key, value in full.items():
-        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
-        for fqn, (dim, parts, tp) in fused.items():
-            if (name == fqn or name.startswith(fqn + ".")) and isinstance(value, torch.Tensor) and value.dim() > dim:
-                out[key] = relayout(value, dim, parts, tp)
-    return out
-
-
-# ---- full tensors in the original layout ----------------------------------------------------------------------
-def _param_of(key: str, params: dict[str, torch.Tensor], prefix: str) -> Optional[torch.Tensor]:
-    """The parameter a state key belongs to: ``fqn`` (model state) or ``state.<fqn>.<name>`` (optimizer state)."""
-    if prefix:
-        if not key.startswith(prefix):
-            return None
-        key = split_state_key(key, prefix)[0]
-    return params.get(key)
-
-
-def full_tensor(value: Any, param: Optional[torch.Tensor]) -> Any:
-    """One state entry of `param` as its full tensor (fused projections still rank-major). A collective for
-    sharded values: a DTensor (FSDP2 / ZeRO-1 slices) is gathered, then a local tp shard is gathered over tp."""
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    if param is not None:
-        value = as_dtensor(value, param)
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-    return value
-
-
-def full_tensors(module: nn.Module, state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`state` (keyed by parameter FQN, or ``prefix + fqn + "." + name`` for optimizer state) as full tensors in
-    the model's original layout. A collective over each tensor's mesh: every rank passes the same keys."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    full = {k: full_tensor(v, _param_of(k, params, prefix)) for k, v in state.items()}
-    return unfuse_full_tensors(full, fused_layout(module), prefix)
-
-
-def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a full (rank-major) tensor shaped like `param`'s whole tensor; no communication."""
-    local = _sharding(param)
-    if local is None or not isinstance(full, torch.Tensor):
-        return full
-    if tuple(full.shape) != tuple(local.shape):
-        raise ValueError(f"expected a full tensor of shape {tuple(local.shape)}, got {tuple(full.shape)}.")
-    # every rank holds the full tensor: slice it here (src_data_rank=None), no communication
-    return distribute_tensor(full, local.mesh, local.placements, src_data_rank=None).to_local().contiguous()
-
-
-def load_full_tensors(module: nn.Module, state: dict[str, Any]) -> None:
-    """Load full, original-layout tensors (keys a subset of the model's): each rank keeps its own shards."""
-    state = refuse_fused(state, fused_layout(module))
-    if any(isinstance(p, DTensor) for p in module.parameters()):  # FSDP2 / DTensor parameters: DCP's loader
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=False))
-        return
-    params = dict(module.named_parameters(remove_duplicate=False))
-    module.load_state_dict({k: _local_slice(v, params[k]) if k in params else v for k, v in state.items()},
-                           strict=False)
-
-
-def shard_optimizer_state(module: nn.Module, params: list[torch.Tensor], state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Torch's position-indexed optimizer state with full tensors (positions = `params`) -> this rank's shards."""
-    fqn_of = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    fused = fused_layout(module)
-    state = {}
-    for idx, entry in state_dict["state"].items():
-        param = params[idx]
-        local = _sharding(param)
-        if local is None:
-            state[idx] = entry
-            continue
-        fqn = fqn_of.get(id(param), "")
-        converted = {}
-        for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(local.shape):
-                value = _local_slice(refuse_fused({fqn: value}, fused)[fqn], param)
-            converted[name] = value
-        state[idx] = converted
-    return {**state_dict, "state": state}
 
 
 def _sharding(t: torch.Tensor) -> Any:

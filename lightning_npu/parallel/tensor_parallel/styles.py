@@ -114,7 +114,7 @@ class Colwise(ColwiseParallel):
 
     ``fused=3`` (q|k|v) or ``2`` (gate|up), or the parts' sizes (``(32, 16, 16)``: Phi-3's q|k|v with grouped kv
     heads), shards every part by columns and keeps each rank's parts together (see the module docstring); the
-    parameter DTensor is ``Shard(out_dim)`` of the rank-major reordered weight, which `tp_shards.full_tensors`
+    parameter DTensor is ``Shard(out_dim)`` of the rank-major reordered weight, which `full_state.full_tensors`
     maps back to the original layout.
     """
 
