@@ -10,6 +10,7 @@ README.md lists the results and the expected differences (`EXPECTED` below marks
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -60,6 +61,7 @@ for _name in (
 ):
     EXPECTED[f"checkpointing/test_model_checkpoint.py::{_name}"] = _MARKER
 EXPECTED["checkpointing/test_trainer_checkpoint.py::test_finetuning_with_ckpt_path"] = _MARKER
+EXPECTED["checkpointing/test_model_checkpoint.py::test_current_score"] = _MARKER + " (it `torch.load`s every file there)"
 EXPECTED.update({
     "checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options": (
         "it mocks the CheckpointIO's `save_checkpoint`, so nothing is written; the strategy's commit then refuses to "
@@ -171,9 +173,18 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Config) -> None:
+    from lightning.pytorch.callbacks import Callback
+
     for item in items:
         if _HERE not in Path(str(item.fspath)).parents:
             continue
+        # each stage runs with its own copies of parametrized callbacks (Lightning's tests build them at collection
+        # and run once; a second run with the same EarlyStopping objects would start from the first one's state)
+        callspec = getattr(item, "callspec", None)
+        for key, value in list(getattr(callspec, "params", {}).items()):
+            if isinstance(value, Callback) or (isinstance(value, (list, tuple))
+                                               and any(isinstance(v, Callback) for v in value)):
+                callspec.params[key] = copy.deepcopy(value)
         item.add_marker(pytest.mark.lightning_suite)
         base = item.nodeid.split("tests_pytorch/", 1)[-1].replace("[zero1]", "").replace("[zero3]", "")
         base = base.replace("-zero1]", "]").replace("-zero3]", "]")
