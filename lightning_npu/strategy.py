@@ -656,7 +656,8 @@ class NPUHybridStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """A failed async save is raised as fit ends, on every rank alike (not at teardown, where only the rank
         that knows it could raise). Collective."""
-        self.wait_parameters()
+        for opt in self._distributed_optimizers():
+            opt.remove_wait_hooks()  # waits for the last step's all-gathers first
         self.finalize_checkpoints()
 
     def remove_checkpoint(self, filepath: Any) -> None:

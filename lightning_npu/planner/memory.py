@@ -67,7 +67,10 @@ def model_state_bytes(params: float, dp: int, zero_stage: int, precision: str = 
     """
     w, g, master, _ = PRECISION_BYTES[precision]
     k = master + OPTIMIZER_BYTES[optimizer]
-    if accounting == "lightning-npu" and zero_stage == 1 and dp > 1:
+    if accounting == "lightning-npu-gloo" and zero_stage == 1 and dp > 1:  # the in-place bucket buffer: whole
+        return {"parameters": params * w, "gradients": params * 4,
+                "optimizer": params * (4 + OPTIMIZER_BYTES[optimizer]) / dp}
+    if accounting.startswith("lightning-npu") and zero_stage == 1 and dp > 1:
         return {"parameters": params * w, "gradients": params * 4 / dp,
                 "optimizer": params * (4 + OPTIMIZER_BYTES[optimizer]) / dp}
     if accounting == "megatron" and zero_stage <= 1:
@@ -210,6 +213,8 @@ def memory_by_stage(model: ModelSpec, layout: Layout, precision: str = "bf16-mix
     out = []
     for stage in range(layout.pp) if stages is None else sorted(set(stages)):
         experts = stage_expert_params(model, layout, stage)
+        if accounting == "lightning-npu-gloo" and layout.pp > 1:
+            accounting = "lightning-npu"  # pipeline stages keep the reduce-scatter buckets on gloo too
         states = model_state_bytes(stage_params(model, layout, stage) - experts, layout.replicas, layout.zero_stage,
                                    precision, optimizer, accounting=accounting)
         if experts:  # sharded by ZeRO over the ranks that hold the same experts

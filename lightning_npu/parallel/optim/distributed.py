@@ -137,7 +137,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # the parameter all-gather overlapped with the next forward (pp = 1: the pipeline's stages run their own
         # forward; LBFGS re-evaluates inside its step): bucket index -> (gathered, work), waited by pre-hooks
         self.defer_gather = (overlap and not self.steps_dtensors) if defer_gather is None else defer_gather
-        self._pending: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, Any, tuple[int, int, int]]] = {}  # chunk -> gather in flight
         self._module = module
         self._wait_hooks: list[Any] = []
         if self.defer_gather:
@@ -191,6 +191,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         schedulers and `LearningRateMonitor` see it. Collective-free, but every dp rank must add the same group."""
         if "optimizer" not in vars(self):  # torch's Optimizer.__init__ adds the placeholder group
             return Optimizer.add_param_group(self, param_group)
+        self.wait_parameters()  # the new buckets change the gather plan that the gathers in flight were cut by
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         unknown = [p for p in params if id(p) not in self.fqn]
@@ -298,9 +299,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if m is not module and any(True for _ in m.parameters(recurse=False)):
                 # first: tensor parallelism's own pre-hook swaps the plain shards for DTensor views (`shards.py`)
                 self._wait_hooks.append(m.register_forward_pre_hook(self._wait_module, prepend=True))
-        wait = lambda *args, **kwargs: self.wait_parameters()  # noqa: E731
-        self._wait_hooks.append(module.register_state_dict_pre_hook(wait))
-        self._wait_hooks.append(module.register_load_state_dict_pre_hook(wait))
+        self._wait_hooks.append(module.register_state_dict_pre_hook(self._wait_all))
+        self._wait_hooks.append(module.register_load_state_dict_pre_hook(self._wait_all))
+
+    def _wait_all(self, *args: Any, **kwargs: Any) -> None:
+        self.wait_parameters()
+
+    def remove_wait_hooks(self) -> None:
+        """Fit's end: nothing is in flight any more, and the hooks (bound to this optimizer and its process groups)
+        would keep the module from pickling (``torch.save(model)``)."""
+        self.wait_parameters()
+        for handle in self._wait_hooks:
+            handle.remove()
+        self._wait_hooks.clear()
 
     def _wait_module(self, m: nn.Module, args: Any) -> None:
         if not self._pending:
@@ -339,11 +350,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Finish the parameter all-gathers still in flight after a step, so that the model's parameters hold the
         stepped weights (e.g. for a callback reading them in ``on_train_batch_end``). `chunks`: only those (the
         forward pre-hooks' use). Local (launches no collective); a no-op when none is in flight."""
-        plan = self._gather_plan()[0] if self._pending else []
         for index in sorted(self._pending if chunks is None else chunks & self._pending.keys()):
-            full, work = self._pending.pop(index)
+            full, work, where = self._pending.pop(index)  # `where`: the chunk's range when it was launched
             work.wait()
-            self._scatter_gathered(*plan[index], full)
+            self._scatter_gathered(*where, full)
 
     @torch.no_grad()
     def gather_parameters(self, defer: bool = False) -> None:
@@ -361,7 +371,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             mine = master[a:b].to(bucket.dtype)
             full = torch.empty(self.dp, b - a, dtype=bucket.dtype, device=mine.device)
             work = all_gather_into(full.view(-1), mine, group=self.dp_group, async_op=True)
-            self._pending[index] = (full, work)
+            self._pending[index] = (full, work, (bi, lo, hi))
         if not defer:
             self.wait_parameters()
         else:  # the root's own parameters: a LightningModule's training_step may use them without a forward
