@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests._callbacks_helpers import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = "tests/lightning_suite/tests_pytorch/"
 
@@ -36,7 +38,8 @@ FIXED = {
 
 
 def test_lightning_suite_fixed_cases() -> None:
-    env = {**os.environ, "LIGHTNING_NPU_SUITE": "1", "PYTHONPATH": os.pathsep.join(
+    # without the launcher variables an earlier in-process Trainer left (its MASTER_PORT may still be bound)
+    env = {**clean_env(), "LIGHTNING_NPU_SUITE": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *(SUITE + t for t in FIXED)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
