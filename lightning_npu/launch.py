@@ -7,6 +7,7 @@ and notebooks use this to run `Trainer(devices=N, ...)` without re-executing a s
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import sys
@@ -29,9 +30,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the fork server, so that a launch costs a fork, not an interpreter start (about 4 s per launch
+# with torch, Lightning and transformers on a 2-core CPU host; 0.05 s forked). Only modules the caller already has.
+_PRELOAD = ("torch", "lightning", "transformers", "lightning_npu")
+
+
+def _start_method() -> str:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])  # read at the server's start
+    return "forkserver"
+
+
 def _worker(
-    local_rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, threads: int, args: tuple
+    local_rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    out_dir: str,
+    threads: int,
+    args: tuple,
+    environ: dict[str, str],
 ) -> None:
+    # a forked child has the fork server's environment, not the caller's at this launch: restore the caller's
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -53,7 +76,8 @@ def _worker(
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | None = None) -> list[Any]:
-    """Run `fn(*args)` in `world_size` fresh processes; returns each rank's return value.
+    """Run `fn(*args)` in `world_size` fresh processes (forked from a fork server that has imported torch once, where
+    the platform has one); returns each rank's return value.
 
     `fn` must be importable (module level). A failing rank raises here with its traceback.
     """
@@ -63,10 +87,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | No
         try:
             mp.start_processes(
                 _worker,
-                args=(fn, world_size, free_port(), out_dir, threads, args),
+                args=(fn, world_size, free_port(), out_dir, threads, args, dict(os.environ)),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn",
+                start_method=_start_method(),
             )
         except mp.ProcessExitedException as err:
             # a rank that aborted after saving its result died in teardown, not in `fn`: keep the results
