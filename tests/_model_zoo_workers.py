@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -23,6 +23,7 @@ from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import RouterMonitor
 from lightning_npu.parallel.expert_parallel.router_monitor import experts_modules
 from lightning_npu.parallel.optim.grad_norm import local_tensor
+from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB, IMAGE = 3, 4, 16, 128, 16
 CLIP = 0.5  # below every model's gradient norm here: each step clips, by the global norm the layout computes
@@ -248,7 +249,20 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
             "buffers": {n: type(b).__name__ for n, b in model.named_buffers()},
             # what this rank holds of the MoE experts' parameters (elements)
             "local_experts": sum(local_tensor(p).numel() for n, p in model.named_parameters() if ".experts." in n),
+            # ZeRO-1: what this rank steps of the experts (fp32 master slices; AdamW's exp_avg is shaped alike)
+            "expert_masters": _expert_masters(trainer, model),
             "router_layers": sorted(callbacks[-1].last) if len(callbacks) > 1 else []}
+
+
+def _expert_masters(trainer: L.Trainer, model: L.LightningModule) -> Optional[dict[str, int]]:
+    """Elements of this rank's ZeRO-1 master slices and AdamW exp_avg of the experts (None without ZeRO-1)."""
+    optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
+    zero1 = [o for o in optimizers if hasattr(o, "master_of")]
+    if not zero1:
+        return None
+    masters = [zero1[0].master_of(p) for n, p in model.named_parameters() if ".experts." in n]
+    return {"masters": sum(local_tensor(m).numel() for m in masters),
+            "exp_avg": sum(zero1[0].inner.state[zero1[0]._local_of[id(m)]]["exp_avg"].numel() for m in masters)}
 
 
 @dataclass(frozen=True)
