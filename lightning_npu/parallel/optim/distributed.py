@@ -260,7 +260,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         as FSDP2 lays out ZeRO-3's experts (so checkpoints reshard between ZeRO 0/1/3 and ep sizes)."""
         assert self.edp_mesh is not None
         root = self.edp_mesh._get_root_mesh()
-        mesh = root["edp", *spec.mesh.mesh_dim_names]
+        mesh = root[("edp", *spec.mesh.mesh_dim_names)]
         rows = math.prod(spec.mesh.size(i) for i, pl in enumerate(spec.placements)
                          if isinstance(pl, Shard) and pl.dim == 0)
         edp = _StridedShard(0, split_factor=rows) if rows > 1 else Shard(0)
