@@ -198,9 +198,11 @@ class ZooData(Dataset):
 class Losses(L.Callback):
     def __init__(self) -> None:
         self.logged: list[float] = []
+        self.grad_norms: list[float] = []  # the global norm clipping used (NaN where none was logged)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.grad_norms.append(float(trainer.callback_metrics.get("npu/grad_norm", float("nan"))))
 
 
 def _world() -> int:
@@ -244,7 +246,7 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
     report = trainer.strategy.tp_report
     if trainer.strategy.pipeline_plan is not None:
         report = f"{report}\n{trainer.strategy.pipeline_plan}" if report is not None else trainer.strategy.pipeline_plan
-    return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model),
+    return {"logged": losses.logged, "grad_norms": losses.grad_norms, "state": lightning_npu.full_state_dict(model),
             "report": str(report) if report is not None else None,
             "buffers": {n: type(b).__name__ for n, b in model.named_buffers()},
             # what this rank holds of the MoE experts' parameters (elements)
