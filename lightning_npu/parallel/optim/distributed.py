@@ -28,6 +28,11 @@ the health guards and DCP checkpoints treat them like FSDP2's, and a ZeRO-1 chec
 to ZeRO 0/2/3 and any dp/tp size with no conversion. The communication volume is Megatron's; the
 price is a copy into the bucket (``torch._chunk_cat``, as FSDP2) and padding of ``dim0 % dp`` rows.
 
+Under expert parallelism a rank's experts (``Shard(0)`` over ``ep``) get their own buckets over the ``edp`` ranks
+that hold the same experts, their SUM divided by dp (the all-to-all's backward already summed over ep), and their
+masters are sliced over edp inside the ep shard: 2-D DTensors over ``(edp, ep)``, FSDP2's layout of ZeRO-3's experts,
+so the gradient norm counts each expert once and checkpoints reshard across ep sizes and ZeRO stages.
+
 A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
 steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
 
@@ -191,7 +196,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.masters.append(flat)
             for s in bucket.slices:
                 bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
-                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated, bucket.mesh))
+                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated,
+                                                    bucket.mesh))
                 tensor_state(master).master = True  # checkpoints store it in place of the parameter
                 tensor_state(master).pipeline_copy = getattr(tensor_state(s.param, create=False), "pipeline_copy", False)
                 self._shard_of[id(s.param)] = master
