@@ -97,7 +97,8 @@ class NPUHybridStrategy(DDPStrategy):
             with zero_stage 0 or 1, without pp, ep or sequence_parallel (docs/layouts.md).
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
-            number of experts. With ``zero_stage`` 0, 2 or 3, tp and pp (not ZeRO-1 yet).
+            number of experts. With every ``zero_stage`` (ZeRO-1/3 shard the experts' states over the dp / ep ranks
+            that hold them), tp and pp.
         zero_stage: what is sharded over the dp ranks: 0 nothing (replicate), 1 optimizer state,
             2 also gradients, 3 also parameters (FSDP2).
         micro_batches: pipeline micro-batches per optimizer step (pp > 1); ``None`` means one per

@@ -25,8 +25,10 @@ def _fit(strategy: dict[str, Any], steps: int, save: Optional[str], load: Option
     return losses.logged
 
 
-def resume_across_ep_sizes(directory: str) -> dict[str, Any]:
-    """4 steps at ep=1; 2 steps at ep=2 saved (sharded and single-file), resumed for 2 at ep=1 and at ep=2."""
+def resume_across_ep_sizes(directory: str, moe: list[str]) -> dict[str, Any]:
+    """4 steps at ep=1; 2 steps at ep=2 saved (sharded and single-file), resumed for 2 at ep=1 and at ep=2; the
+    same from ep=2 at ZeRO-1 (resumed at ep=1, at ep=2 ZeRO-3 and ZeRO-1). Then the `moe` models at ep=2 x ZeRO-1
+    (dp=2) for the comparison against one process (``"zoo ep2 zero1"``)."""
     out: dict[str, Any] = {"whole": _fit({"zero_stage": 0}, 4, None, None)}
     for form in ("ckpt", "dir"):
         path = f"{directory}/ep2.{form}"
@@ -34,6 +36,12 @@ def resume_across_ep_sizes(directory: str) -> dict[str, Any]:
         out[f"ep2 {form}"] = _fit({"zero_stage": 0, "expert_parallel_size": 2, **sharded}, 2, path, None)
         out[f"ep1 from {form}"] = _fit({"zero_stage": 0}, 4, None, path)
         out[f"ep2 from {form}"] = _fit({"zero_stage": 0, "expert_parallel_size": 2}, 4, None, path)
+    # ZeRO-1's experts: fp32 master slices over (edp, ep), saved in ZeRO-3's layout
+    out["ep2 zero1 dir"] = _fit({"zero_stage": 1, "expert_parallel_size": 2}, 2, f"{directory}/ep2z1.dir", None)
+    out["ep1 from zero1 dir"] = _fit({"zero_stage": 1}, 4, None, f"{directory}/ep2z1.dir")
+    out["ep2 zero3 from zero1 dir"] = _fit({"zero_stage": 3, "expert_parallel_size": 2}, 4, None,
+                                           f"{directory}/ep2z1.dir")
+    out["ep2 zero1 from dir"] = _fit({"zero_stage": 1, "expert_parallel_size": 2}, 4, None, f"{directory}/ep2.dir")
     # ZeRO-3's experts (FSDP2 over edp on top of the ep split: 2-D DTensors) saved as a sharded directory
     out["ep2 zero3 dir"] = _fit({"zero_stage": 3, "expert_parallel_size": 2}, 2, f"{directory}/ep2z3.dir", None)
     out["ep1 from zero3 dir"] = _fit({"zero_stage": 0}, 4, None, f"{directory}/ep2z3.dir")
@@ -45,6 +53,7 @@ def resume_across_ep_sizes(directory: str) -> dict[str, Any]:
         trainer.fit(trainer_model, DataLoader(ZooData("lm", size=4), batch_size=2))
     except Exception as err:  # noqa: BLE001 (the refusal is the result)
         out["dense model"] = f"{type(err).__name__}: {err}"
+    out["zoo ep2 zero1"] = run_zoo({"expert_parallel_size": 2, "zero_stage": 1}, {m: Case(m) for m in moe})
     return out
 
 

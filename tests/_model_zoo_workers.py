@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -23,6 +23,7 @@ from lightning_npu import NPUHybridStrategy
 from lightning_npu.callbacks import RouterMonitor
 from lightning_npu.parallel.expert_parallel.router_monitor import experts_modules
 from lightning_npu.parallel.optim.grad_norm import local_tensor
+from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB, IMAGE = 3, 4, 16, 128, 16
 CLIP = 0.5  # below every model's gradient norm here: each step clips, by the global norm the layout computes
@@ -197,9 +198,11 @@ class ZooData(Dataset):
 class Losses(L.Callback):
     def __init__(self) -> None:
         self.logged: list[float] = []
+        self.grad_norms: list[float] = []  # the global norm clipping used (NaN where none was logged)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.grad_norms.append(float(trainer.callback_metrics.get("npu/grad_norm", float("nan"))))
 
 
 def _world() -> int:
@@ -243,12 +246,25 @@ def fit(name: str, strategy_kwargs: dict[str, Any], model_cls: type = ZooModule)
     report = trainer.strategy.tp_report
     if trainer.strategy.pipeline_plan is not None:
         report = f"{report}\n{trainer.strategy.pipeline_plan}" if report is not None else trainer.strategy.pipeline_plan
-    return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model),
+    return {"logged": losses.logged, "grad_norms": losses.grad_norms, "state": lightning_npu.full_state_dict(model),
             "report": str(report) if report is not None else None,
             "buffers": {n: type(b).__name__ for n, b in model.named_buffers()},
             # what this rank holds of the MoE experts' parameters (elements)
             "local_experts": sum(local_tensor(p).numel() for n, p in model.named_parameters() if ".experts." in n),
+            # ZeRO-1: what this rank steps of the experts (fp32 master slices; AdamW's exp_avg is shaped alike)
+            "expert_masters": _expert_masters(trainer, model),
             "router_layers": sorted(callbacks[-1].last) if len(callbacks) > 1 else []}
+
+
+def _expert_masters(trainer: L.Trainer, model: L.LightningModule) -> Optional[dict[str, int]]:
+    """Elements of this rank's ZeRO-1 master slices and AdamW exp_avg of the experts (None without ZeRO-1)."""
+    optimizers = [unwrap_optimizer(o) for o in trainer.optimizers]
+    zero1 = [o for o in optimizers if hasattr(o, "master_of")]
+    if not zero1:
+        return None
+    masters = [zero1[0].master_of(p) for n, p in model.named_parameters() if ".experts." in n]
+    return {"masters": sum(local_tensor(m).numel() for m in masters),
+            "exp_avg": sum(zero1[0].inner.state[zero1[0]._local_of[id(m)]]["exp_avg"].numel() for m in masters)}
 
 
 @dataclass(frozen=True)

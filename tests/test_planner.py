@@ -366,9 +366,17 @@ def test_expert_parallelism_is_searched_with_its_memory_and_all_to_all():
     z3 = memory_by_stage(mixtral, Layout(1, 1, 16, 3, 32, 1, ep=8), "bf16-mixed")[0]
     dense = mixtral.num_params() - mixtral.layers * mixtral.layer_expert_params()
     assert z3.parameters == pytest.approx(dense * 4 / 16 + mixtral.layers * mixtral.layer_expert_params() / 8 * 4 / 2)
+    # ZeRO-1: the experts' fp32 masters and AdamW moments (12 bytes a parameter) over ep x (dp / ep) = dp ranks, their
+    # bf16 weights and fp32 gradients whole on each ep rank; the rest over dp = 16
+    z1 = memory_by_stage(mixtral, Layout(1, 1, 16, 1, 32, 1, ep=8), "bf16-mixed")[0]
+    no_ep = memory_by_stage(mixtral, Layout(1, 1, 16, 1, 32, 1), "bf16-mixed")[0]
+    local = mixtral.layers * mixtral.layer_expert_params() / 8
+    assert z1.optimizer == pytest.approx(dense * 12 / 16 + local * 12 / 2)
+    assert no_ep.optimizer - z1.optimizer == pytest.approx(mixtral.layers * mixtral.layer_expert_params() * 12 / 16
+                                                        - local * 12 / 2)
     result = plan(mixtral, cluster)
     eps = {e.layout.zero_stage for e in result.ranked if e.layout.ep > 1}
-    assert eps and 1 not in eps  # what the strategy composes
+    assert 1 in eps, eps  # ZeRO-1 (the default) is searched with ep, as the strategy composes it
     best_ep = next(e for e in result.ranked if e.layout.ep > 1)
     assert best_ep.layout.strategy_init_args()["expert_parallel_size"] == best_ep.layout.ep
     assert f"ep{best_ep.layout.ep}" in best_ep.layout.describe()

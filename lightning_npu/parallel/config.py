@@ -135,8 +135,6 @@ class ParallelConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size, example=2, error=ParallelConfigError)
         check_int("pipeline_parallel_size", self.pipeline_parallel_size, example=2, error=ParallelConfigError)
         check_int("expert_parallel_size", self.expert_parallel_size, example=2, error=ParallelConfigError)
-        if self.expert_parallel_size > 1:
-            self._check_expert_layout()
         check_int("context_parallel_size", self.context_parallel_size, example=2, error=ParallelConfigError)
         if self.data_parallel_size != "auto":
             check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
@@ -212,16 +210,6 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"`timeout={self.timeout!r}` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None."
             )
-
-    def _check_expert_layout(self) -> None:
-        """Expert parallelism composes with ZeRO 0/2/3, tp and pp; what is not built is refused."""
-        ep = self.expert_parallel_size
-        if self.zero_stage == 1:
-            raise ParallelConfigError(
-                f"`expert_parallel_size={ep}` with `zero_stage=1`: ZeRO-1's buckets do not reduce the experts over "
-                "their own group yet; set zero_stage=0 (replicated optimizer state), 2 or 3 (FSDP2, experts sharded "
-                "over the ranks that hold them), or expert_parallel_size=1 (tp_plan='auto' splits every expert over "
-                "tp).")
 
     def _check_context_layout(self) -> None:
         """Context parallelism composes with dp, tp and ZeRO 0-3; what is not built is refused by name."""

@@ -98,7 +98,8 @@ def parallelize(
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
     wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs, hierarchy,
                              expert_names)
-    if expert_names and not zero23:  # FSDP2's expert units reduce their own gradients (`apply_ep`)
+    if expert_names and not zero23 and not cfg.uses_distributed_optimizer:
+        # FSDP2's expert units (`apply_ep`) and ZeRO-1's edp buckets (`DistributedOptimizer`) reduce their own
         held = dict(model.named_parameters())  # under pp: this rank's stages' experts
         sync = ep.ExpertGradientSync(sync, [held[n] for n in expert_names if n in held],
                                      module_state(model).expert_mesh, cfg.resolved_dp)
@@ -212,8 +213,9 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
     if cfg.uses_distributed_optimizer:
         # the DistributedOptimizer's buckets reduce-scatter the gradients (bound in setup_optimizers)
         if pipeline is None:
-            data_parallel.broadcast_module_states(model, mesh)  # start from dp-rank 0's weights, as DDP would
-            model._ddp_params_and_buffers_to_ignore = tp_names
+            # start from dp-rank 0's weights, as DDP would (each ep rank keeps its own experts)
+            data_parallel.broadcast_module_states(model, mesh, ignore=set(expert_names or ()))
+            model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ())
         return model, gs.DistributedOptimizerSync(compressor)
     if pipeline is not None:
         if cfg.replicas == 1:

@@ -124,16 +124,15 @@ def _virtual_stages(model: ModelSpec, pp: int, micro_batches: int, schedule: str
 
 
 def _zero_and_expert_sizes(model: ModelSpec, zero_stages: tuple[int, ...], pp: int, dp: int) -> list[tuple[int, int]]:
-    """(ZeRO stage, expert-parallel size) pairs: ep divides dp and the experts, and composes as the strategy allows
-    (ZeRO 0, 2 and 3)."""
+    """(ZeRO stage, expert-parallel size) pairs: ep divides dp and the experts; it composes with every ZeRO stage
+    (the experts' states sharded over the dp / ep ranks that hold them, `memory.memory_by_stage`)."""
     eps = [e for e in _divisors(dp) if model.experts and model.experts % e == 0 and e > 1]
     out = []
     for zero in zero_stages:
         if dp == 1 and zero > 0:
             continue  # nothing to shard over
         out.append((zero, 1))
-        if zero != 1:
-            out.extend((zero, e) for e in eps)
+        out.extend((zero, e) for e in eps)
     return out
 
 

@@ -96,6 +96,8 @@ class _Bucket:
                  replicated: bool = False) -> None:
         self.params = params
         self.group: Any = None  # the process group this bucket reduces over, and the size its SUM is divided by
+        self.mesh: Optional[DeviceMesh] = None  # the 1-D mesh of `group`
+        self.world = dp  # the ranks that share its rows (1: a replicated bucket)
         self.divide_by = dp
         self.flat: Optional[torch.Tensor] = None  # in-place buckets: every parameter's whole gradient, back to back
         self.replicated = replicated  # all-reduced and held whole on every rank, in a sharded (zero 1) set: scalars
@@ -208,7 +210,7 @@ class GradientBuckets:
         spec_of = self.compressor.spec_of if self.compressor is not None else (lambda p: None)
         new = _make_buckets(params, self.bucket_size_mb, size if self.shard else 1, rank, device, spec_of)
         for bucket in new:
-            bucket.group = mesh.get_group()
+            bucket.group, bucket.mesh = mesh.get_group(), mesh
             bucket.divide_by = size if divide_by is None else divide_by
             if bucket.replicated:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
                 bucket.spec = None

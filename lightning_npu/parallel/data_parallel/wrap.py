@@ -283,12 +283,14 @@ def is_fully_sharded(module: torch.nn.Module) -> bool:
     return bool(fsdp_modules(module))
 
 
-def broadcast_module_states(module: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """Copy dp-rank 0's parameters and buffers to the other dp ranks (what DDP's constructor does)."""
+def broadcast_module_states(module: torch.nn.Module, mesh: DeviceMesh, ignore: Optional[set[str]] = None) -> None:
+    """Copy dp-rank 0's parameters and buffers to the other dp ranks (what DDP's constructor does), but those named in
+    `ignore` (expert-parallel experts, which differ between dp ranks)."""
     from torch.distributed.utils import _sync_module_states
 
     group = replica_mesh(mesh).get_group()
-    _sync_module_states(module, group, broadcast_bucket_size=250 * 2**20, src=0, params_and_buffers_to_ignore=set())
+    _sync_module_states(module, group, broadcast_bucket_size=250 * 2**20, src=0,
+                        params_and_buffers_to_ignore=set(ignore or ()))
 
 
 def _local_bytes(t: torch.Tensor) -> int:

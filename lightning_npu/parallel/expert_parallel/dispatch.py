@@ -10,7 +10,8 @@ all-to-all, weighted and summed. The router runs on every rank.
 
 Gradients: the all-to-all's backward brings every ep rank's tokens' contributions to the expert's rank, so an
 expert's local gradient already sums over its ep group; `ExpertGradientSync` sums it over the ranks that hold the
-same experts (``dp / ep`` of them) and divides by dp, the mean a one-process run takes. DDP skips the experts.
+same experts (``dp / ep`` of them) and divides by dp, the mean a one-process run takes. DDP skips the experts;
+under ZeRO-1 the `DistributedOptimizer`'s edp buckets do this reduction, under ZeRO 2/3 FSDP2's expert units.
 """
 
 from __future__ import annotations

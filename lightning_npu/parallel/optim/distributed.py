@@ -28,6 +28,11 @@ the health guards and DCP checkpoints treat them like FSDP2's, and a ZeRO-1 chec
 to ZeRO 0/2/3 and any dp/tp size with no conversion. The communication volume is Megatron's; the
 price is a copy into the bucket (``torch._chunk_cat``, as FSDP2) and padding of ``dim0 % dp`` rows.
 
+Under expert parallelism a rank's experts (``Shard(0)`` over ``ep``) get their own buckets over the ``edp`` ranks
+that hold the same experts, their SUM divided by dp (the all-to-all's backward already summed over ep), and their
+masters are sliced over edp inside the ep shard: 2-D DTensors over ``(edp, ep)``, FSDP2's layout of ZeRO-3's experts,
+so the gradient norm counts each expert once and checkpoints reshard across ep sizes and ZeRO stages.
+
 A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
 steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
 
@@ -41,6 +46,7 @@ stay sharded, and each closure evaluation refreshes the parameters and reduce-sc
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,7 +61,7 @@ from lightning_npu.parallel.data_parallel.sync import GradientBuckets
 from lightning_npu.parallel.mesh import replica_dim, replica_mesh
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, refuse_unflattenable
-from lightning_npu.parallel.state import tensor_state
+from lightning_npu.parallel.state import module_state, tensor_state
 from lightning_npu.parallel.tensor_parallel.shards import sharding_of
 
 # the size of one overlapped parameter all-gather (gathered bytes): the forward waits for the first layers' only
@@ -66,6 +72,12 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "Rprop", "ASGD")
     if hasattr(torch.optim, name)
 )
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    """A parameter split over the ``ep`` mesh dim (this rank's experts of an MoE layer)."""
+    spec = sharding_of(param)
+    return spec is not None and "ep" in (spec.mesh.mesh_dim_names or ())
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -121,8 +133,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             )
         if len({id(p) for p in params}) != len(params):
             raise ValueError("A parameter appears in more than one optimizer param group.")
-        self.grad_buckets = GradientBuckets(params, self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap,
-                                            compressor=compressor)
+        # expert parallelism: each rank's experts (`expert_parallel.dispatch`) are sliced over the edp ranks that hold
+        # the same experts, their SUM divided by dp (the all-to-all's backward already summed over ep)
+        expert_mesh = getattr(module_state(module, create=False), "expert_mesh", None)
+        self.edp_mesh = expert_mesh["edp"] if expert_mesh is not None else None
+        experts = {id(p) for p in params if self.edp_mesh is not None and _is_expert(p)}
+        if experts and self.steps_dtensors:
+            raise ValueError(
+                f"{self.closure_optimizer} with expert_parallel_size > 1 at zero_stage=1 is not supported (its "
+                "DTensor steps would mix the experts' and the other parameters' meshes); use an element-wise "
+                "optimizer such as AdamW, or zero_stage=0.")
+        self.grad_buckets = GradientBuckets([p for p in params if id(p) not in experts], self.dp_mesh,
+                                            bucket_size_mb, shard=True, overlap=overlap, compressor=compressor)
+        if experts:
+            for bucket in self.grad_buckets.add([p for p in params if id(p) in experts], mesh=self.edp_mesh,
+                                                divide_by=self.dp):
+                bucket.spec = None  # uncompressed: the compressors' state belongs to the dp group
         self.buckets = self.grad_buckets.buckets
         # this rank's fp32 master rows of each bucket (the slice is the master copy, whatever the parameters' dtype)
         self.masters: list[torch.Tensor] = []
@@ -170,14 +196,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.masters.append(flat)
             for s in bucket.slices:
                 bucket.local_view(flat, s).copy_(s.rows_of(s.param.detach()))
-                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated))
+                master = nn.Parameter(self._dtensor(bucket.local_view(flat, s), s.param, bucket.replicated,
+                                                    bucket.mesh))
                 tensor_state(master).master = True  # checkpoints store it in place of the parameter
                 tensor_state(master).pipeline_copy = getattr(tensor_state(s.param, create=False), "pipeline_copy", False)
                 self._shard_of[id(s.param)] = master
-                self._grad_of[id(s.param)] = self._dtensor(bucket.grad_view(s), s.param, bucket.replicated)
+                self._grad_of[id(s.param)] = self._dtensor(bucket.grad_view(s), s.param, bucket.replicated,
+                                                           bucket.mesh)
                 if s.param.dtype == torch.float32:  # what the model parameter shows as `.grad` (a view, no copy)
                     self._model_grad_of[id(s.param)] = self._model_grad(bucket.grad_view(s), s.param,
-                                                                        bucket.replicated)
+                                                                        bucket.replicated, bucket.mesh)
                 self._local_of[id(master)] = master if self.steps_dtensors else nn.Parameter(
                     master.to_local(), requires_grad=master.requires_grad)
         if self.steps_dtensors:
@@ -202,6 +230,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             )
         if len({id(p) for p in params}) != len(params) or any(id(p) in self._shard_of for p in params):
             raise ValueError("add_param_group: a parameter appears in more than one optimizer param group.")
+        if self.edp_mesh is not None and any(_is_expert(p) for p in params):
+            raise ValueError("add_param_group: adding expert-parallel parameters while training is not supported at "
+                             "zero_stage=1; put them in `configure_optimizers`' groups, or use zero_stage=0.")
         self._add_masters(self.grad_buckets.add(params))
         self.model_params.extend(params)
         hparams = {k: v for k, v in param_group.items() if k != "params"}
@@ -210,8 +241,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.param_groups.append({**hparams, "params": [self._shard_of[id(p)] for p in params]})
 
     # ---- layout ---------------------------------------------------------------------------
-    def _dtensor(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False) -> DTensor:
+    def _dtensor(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False,
+                 mesh: Optional[DeviceMesh] = None) -> DTensor:
         spec = sharding_of(param)
+        if mesh is not None and mesh is self.edp_mesh:  # an expert: edp slices the rows of this rank's experts
+            return self._expert_dtensor(local, spec)
         if replicated:  # a 0-dim parameter: whole on every dp rank, stepped identically (as under DDP)
             return DTensor.from_local(local, self.dp_mesh, (Replicate(),), run_check=False, shape=param.shape,
                                       stride=param.stride())
@@ -227,13 +261,26 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return DTensor.from_local(local, self._dp_tp_mesh, (dp_placement, tp_placement), run_check=False,
                                   shape=spec.shape, stride=spec.stride)
 
-    def _model_grad(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False) -> torch.Tensor:
-        # over dp only, shaped like the model parameter (a local tp shard under tp: `.grad` must match its shape);
-        # a scalar's all-reduced gradient is shown as DDP shows it, a plain tensor
+    def _expert_dtensor(self, local: torch.Tensor, spec: Any) -> DTensor:
+        """Over ``(edp, ep[, tp])``: the experts' layout (``Shard(0)`` over ep) with edp slicing each ep shard's rows,
+        as FSDP2 lays out ZeRO-3's experts (so checkpoints reshard between ZeRO 0/1/3 and ep sizes)."""
+        assert self.edp_mesh is not None
+        root = self.edp_mesh._get_root_mesh()
+        mesh = root[("edp", *spec.mesh.mesh_dim_names)]
+        rows = math.prod(spec.mesh.size(i) for i, pl in enumerate(spec.placements)
+                         if isinstance(pl, Shard) and pl.dim == 0)
+        edp = _StridedShard(0, split_factor=rows) if rows > 1 else Shard(0)
+        return DTensor.from_local(local, mesh, (edp, *spec.placements), run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+
+    def _model_grad(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False,
+                    mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
+        # over dp only (an expert's: over edp), shaped like the model parameter (a local tp shard under tp: `.grad`
+        # must match its shape); a scalar's all-reduced gradient is shown as DDP shows it, a plain tensor
         if replicated:
             return local
-        return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
-                                  stride=param.stride())
+        return DTensor.from_local(local, self.dp_mesh if mesh is None else mesh, (Shard(0),), run_check=False,
+                                  shape=param.shape, stride=param.stride())
 
     def master_of(self, param: torch.Tensor) -> Optional[nn.Parameter]:
         """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here)."""
@@ -276,7 +323,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     shown = self._published.get(id(p))
                     local = bucket.grad_view(s)
                     if shown is None or p.grad is not shown:
-                        shown = self._model_grad(local.to(p.dtype), p, bucket.replicated)
+                        shown = self._model_grad(local.to(p.dtype), p, bucket.replicated, bucket.mesh)
                     else:
                         gn.local_tensor(shown).copy_(local)
                 p.grad = shown
@@ -334,7 +381,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             bucket = self.buckets[bi]
             if bucket.replicated:
                 continue
-            size = torch.empty((), dtype=bucket.dtype).element_size() * self.dp
+            size = torch.empty((), dtype=bucket.dtype).element_size() * bucket.world
             hi, nbytes = len(bucket.slices), 0
             for lo in reversed(range(len(bucket.slices))):
                 nbytes += bucket.slices[lo].numel * size
@@ -369,8 +416,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             bucket, master = self.buckets[bi], self.masters[bi]
             a, b = bucket.slices[lo].offset, bucket.slices[hi - 1].offset + bucket.slices[hi - 1].numel
             mine = master[a:b].to(bucket.dtype)
-            full = torch.empty(self.dp, b - a, dtype=bucket.dtype, device=mine.device)
-            work = all_gather_into(full.view(-1), mine, group=self.dp_group, async_op=True)
+            full = torch.empty(bucket.world, b - a, dtype=bucket.dtype, device=mine.device)
+            work = all_gather_into(full.view(-1), mine, group=bucket.group, async_op=True)
             self._pending[index] = (full, work, (bi, lo, hi))
         if not defer:
             self.wait_parameters()
@@ -381,14 +428,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _scatter_gathered(self, bi: int, lo: int, hi: int, full: torch.Tensor) -> None:
         bucket = self.buckets[bi]
-        base = bucket.slices[lo].offset
+        base, world = bucket.slices[lo].offset, bucket.world
         for s in bucket.slices[lo:hi]:
             rows = s.param.shape[0]
             part = full[:, s.offset - base : s.offset - base + s.numel]
-            if rows == self.dp * s.chunk_rows and s.param.is_contiguous():
-                s.param.view(self.dp, s.numel).copy_(part)  # no padding: one strided copy
+            if rows == world * s.chunk_rows and s.param.is_contiguous():
+                s.param.view(world, s.numel).copy_(part)  # no padding: one strided copy
             else:
-                s.param.copy_(part.reshape(self.dp * s.chunk_rows, *s.param.shape[1:])[:rows])
+                s.param.copy_(part.reshape(world * s.chunk_rows, *s.param.shape[1:])[:rows])
 
     def _copy_model_grads_to_main_grads(self) -> None:
         pass  # `finish_gradient_sync` attached the reduce-scattered slices to the masters
