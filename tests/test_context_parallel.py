@@ -1,7 +1,9 @@
 """Context parallelism (`context_parallel_size`): bad layouts refused at `Trainer(...)`; Llama, Qwen3 (its own loss,
 ignored tokens spread unevenly over the cp ranks) and the example GPT at cp=2 equal one process; a cp=2 checkpoint
 resumed at cp=1 x dp=2 continues the one-process losses; the GPT at cp2 x dp2 x ZeRO-3 and Llama at cp2 x tp2 on 4
-processes equal one process. Llama and the GPT also with full activation checkpointing. Bounds: per-step loss rtol 1e-4, final weights atol 1e-5
+processes equal one process. Llama and the GPT also with full activation checkpointing. Attention is ring
+attention (the default; the GPT also with all-gathered K/V), and ring attention alone equals one SDPA (fp64) at
+cp = 2 and 4. Bounds: per-step loss rtol 1e-4, final weights atol 1e-5
 (fp32)."""
 
 import pytest
@@ -27,6 +29,7 @@ LOSS_RTOL, STATE_ATOL = 1e-4, 1e-5
     ({"fuse_ops": True}, r"`fuse_ops=True`"),
     ({"expert_parallel_size": 2, "zero_stage": 0}, r"`expert_parallel_size=2`"),
     ({"hierarchical_allreduce": True, "zero_stage": 0}, r"`hierarchical_allreduce=True`"),
+    ({"context_parallel_attention": "ulysses"}, r"context_parallel_attention"),
 ])
 def test_unsupported_combinations_are_refused(kwargs, message):
     with pytest.raises(ParallelConfigError, match=message):
@@ -73,6 +76,9 @@ def test_context_parallel_equals_one_process(tmp_path, references):
     got = spawn(two_process, 2, str(tmp_path))[0]
     for name in ("llama", "qwen3", "gpt"):
         _compare(got[f"{name} cp2"], references[name])
+    _compare(got["gpt cp2 allgather"], references["gpt"])  # ring (the default) keeps less than all-gathered K/V
+    assert got["gpt cp2"]["saved_bytes"] < got["gpt cp2 allgather"]["saved_bytes"]
+    assert max(got["ring"].values()) < 1e-12, got["ring"]  # fp64, against one SDPA over the whole sequence
     for name in ("llama", "gpt"):  # full recompute: exact, and really recomputing (fewer bytes kept for backward)
         _compare(got[f"{name} cp2 ac"], references[name])
         assert "2 of 2 blocks" in got[f"{name} cp2 ac"]["recompute"]
@@ -89,3 +95,4 @@ def test_context_parallel_composes_with_zero3_and_tp(references):
     got = spawn(four_process, 4)[0]
     _compare(got["gpt cp2 dp2 zero3"], references["gpt"])
     _compare(got["llama cp2 tp2"], references["llama"])
+    assert max(got["ring"].values()) < 1e-12, got["ring"]  # ring attention at cp = 4
