@@ -89,7 +89,7 @@ class NPUHybridStrategy(DDPStrategy):
         context_parallel_size: ranks that split each sequence between them (a ``cp`` mesh dim between dp and tp):
             rank i keeps the load-balanced chunks i and 2cp-1-i, attention is ring attention over cp, the loss is
             averaged over every token and gradients over dp x cp (`lightning_npu.parallel.context_parallel`). With
-            dp, tp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
+            dp, tp, pp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
         context_parallel_attention: ``"ring"`` (K/V blocks passed point-to-point around the cp ring: 1/cp of the
             attention activations per rank) or ``"allgather"`` (K/V all-gathered over cp: one collective per
             layer, whole-sequence K/V on every rank).
@@ -412,15 +412,18 @@ class NPUHybridStrategy(DDPStrategy):
         (`lightning_npu.parallel.data_parallel.buffers`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_step()
-        if self._pipeline is not None:
-            out = self._pipeline_step(kind, *args, **kwargs)
-        elif self._context_parallel is not None:  # this rank's chunks of each sequence
+        if self._context_parallel is not None:  # this rank's chunks of each sequence (then of each micro-batch)
             if kind == "predict":
                 raise ValueError("`context_parallel_size>1` splits sequences for training and evaluation; predict "
                                  "with a strategy at context_parallel_size=1 (the checkpoint loads under any cp).")
             args = self._context_parallel.split_args(args)
             with self._context_parallel.step(self.root_device):
-                out = self._module_step(method, context, *args, **kwargs)
+                if self._pipeline is not None:
+                    out = self._pipeline_step(kind, *args, **kwargs)
+                else:
+                    out = self._module_step(method, context, *args, **kwargs)
+        elif self._pipeline is not None:
+            out = self._pipeline_step(kind, *args, **kwargs)
         else:
             out = self._module_step(method, context, *args, **kwargs)
         if self._buffer_sync is not None:

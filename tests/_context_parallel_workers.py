@@ -98,13 +98,21 @@ def fit(kind: str, strategy: dict[str, Any], steps: int = STEPS, save: Optional[
     model = build(kind)
     strategy = NPUHybridStrategy(**strategy)
     cfg = strategy.parallel_config
-    dp = world // (cfg.tensor_parallel_size * cfg.context_parallel_size)
+    dp = world // (cfg.tensor_parallel_size * cfg.context_parallel_size * cfg.pipeline_parallel_size)
     losses, saved = Losses(), PeakSaved()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[losses, saved], num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
                         gradient_clip_val=0.5)
     loader = DataLoader(TokenData(kind), batch_size=GLOBAL_BATCH // dp, shuffle=False)
+    lengths: set[int] = set()  # the sequence lengths the model's forward saw (under cp: this rank's chunks)
+
+    def seen(module, args, kwargs):
+        tokens = args[0] if args else kwargs.get("input_ids")
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            lengths.add(tokens.shape[1])
+
+    model.model.register_forward_pre_hook(seen, with_kwargs=True)
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=load)
     except Exception as err:  # noqa: BLE001 (a refusal is a result here)
@@ -112,6 +120,7 @@ def fit(kind: str, strategy: dict[str, Any], steps: int = STEPS, save: Optional[
     if save:
         trainer.save_checkpoint(save)
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "saved_bytes": saved.peak,
+            "lengths": sorted(lengths),
             "recompute": str(trainer.strategy.recompute_report)}
 
 
@@ -219,8 +228,10 @@ def two_process(directory: str) -> dict[str, Any]:
 
 
 def four_process() -> dict[str, Any]:
-    """The 4-process launch: the GPT at cp2 x dp2 x ZeRO-3, Llama at cp2 x tp2 (ZeRO-0), ring attention at cp=4."""
+    """The 4-process launch: the GPT at cp2 x dp2 x ZeRO-3 and at pp2 x cp2 (ZeRO-1, 2 micro-batches), Llama at
+    cp2 x tp2 (ZeRO-0), ring attention at cp=4."""
     out = run({"gpt cp2 dp2 zero3": ("gpt", {"context_parallel_size": 2, "zero_stage": 3}),
+               "gpt pp2 cp2": ("gpt", {"context_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batches": 2}),
                "llama cp2 tp2": ("llama", {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 0})})
     out["ring"] = ring_errors()
     return out

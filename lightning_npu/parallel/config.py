@@ -228,10 +228,9 @@ class ParallelConfig:
                 "tp).")
 
     def _check_context_layout(self) -> None:
-        """Context parallelism composes with dp, tp and ZeRO 0-3; what is not built is refused by name."""
+        """Context parallelism composes with dp, tp, pp and ZeRO 0-3; what is not built is refused by name."""
         cp = self.context_parallel_size
         unsupported = [
-            ("pipeline_parallel_size", self.pipeline_parallel_size > 1, "pipeline_parallel_size=1"),
             ("expert_parallel_size", self.expert_parallel_size > 1, "expert_parallel_size=1"),
             ("sequence_parallel", self.sequence_parallel, "sequence_parallel=False"),
             ("gradient_compression", self.gradient_compression is not None, "gradient_compression=None"),
