@@ -1,12 +1,13 @@
-"""Context parallelism on CPU: step time and saved activations per rank of the example GPT at cp = 1 and cp = 2.
+"""Context parallelism on CPU: step time and saved activations per rank of the example GPT at cp = 1 and at cp = 2
+with ring attention and with all-gathered K/V.
 
     python benchmarks/context_parallel.py [--seqs 1024 2048 4096 8192] [--steps 4]
 
-Each point is a Trainer run of `npu_hybrid` (fp32, batch 1 per dp group) on 1 process (cp = 1) or 2 (cp = 2, dp = 1):
-the median step time after one warm-up step, and the peak bytes autograd saves for backward on rank 0 during the
-step (`lightning_npu.memory.SavedActivations`). The attention-only figure is the saved bytes of one attention call
-(queries, keys and values of the local tokens in, output out) under the same split. Writes
-``benchmarks/results/context_parallel_cpu.json``.
+Each point is a Trainer run of `npu_hybrid` (fp32, batch 1 per dp group) on 1 process (cp = 1) or 2 (cp = 2, dp = 1,
+``context_parallel_attention`` "ring" or "allgather"): the median step time after one warm-up step, and the peak
+bytes autograd saves for backward on rank 0 during the step (`lightning_npu.memory.SavedActivations`). The
+attention-only figure is the saved bytes of one attention call (queries, keys and values of the local tokens in,
+output out) under the same split and form. Writes ``benchmarks/results/context_parallel_cpu.json``.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ class _Saved(L.Callback):
         self.counter.stop()
 
 
-def _attention_bytes(seq: int, cp: int) -> int:
+def _attention_bytes(seq: int, cp: int, method: str) -> int:
     """Saved bytes of one attention call over `seq` tokens split over `cp` ranks (this rank's)."""
-    from lightning_npu.parallel.context_parallel import attention
+    from lightning_npu.parallel.context_parallel import attention, ring
     from lightning_npu.parallel.context_parallel.layout import ChunkLayout
 
     heads, dim = MODEL["n_head"], MODEL["n_embd"] // MODEL["n_head"]
@@ -77,12 +78,14 @@ def _attention_bytes(seq: int, cp: int) -> int:
             attention.STATE.key_positions = layout.gathered_positions(seq, "cpu")
             attention.STATE.key_order = torch.argsort(attention.STATE.key_positions)
             attention.STATE.chunks = layout.chunks(layout.rank)
+            attention.STATE.all_chunks = tuple(layout.chunks(r) for r in range(cp))
+            attention.STATE.method, attention.STATE.ring = method, ring.Ring(dist.group.WORLD)
             out = attention.cp_attention(q, k, v)
             del out
     return saved.peak
 
 
-def point(seq: int, cp: int, steps: int) -> dict:
+def point(seq: int, cp: int, steps: int, method: str = "ring") -> dict:
     from examples.gpt.model import GPTModule
     from lightning_npu import NPUHybridStrategy
 
@@ -90,13 +93,14 @@ def point(seq: int, cp: int, steps: int) -> dict:
     model = GPTModule(block_size=seq, **MODEL)
     model.on_train_batch_end = lambda *a, **k: None  # no throughput logging
     timer, saved = StepTimer(warmup=1), _Saved()
-    trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=NPUHybridStrategy(context_parallel_size=cp, zero_stage=0),
+    trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=NPUHybridStrategy(
+        context_parallel_size=cp, context_parallel_attention=method, zero_stage=0),
                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[timer, saved], limit_val_batches=0,
                         num_sanity_val_steps=0)
     trainer.fit(model, DataLoader(_Tokens(seq, steps), batch_size=1))
-    return {"seq": seq, "cp": cp, "step_s": median(timer.times), "saved_activation_bytes": max(saved.peaks),
-            "attention_saved_bytes": _attention_bytes(seq, cp)}
+    return {"seq": seq, "cp": cp, "attention": method if cp > 1 else "sdpa", "step_s": median(timer.times),
+            "saved_activation_bytes": max(saved.peaks), "attention_saved_bytes": _attention_bytes(seq, cp, method)}
 
 
 def main(argv=None) -> dict:
@@ -107,14 +111,19 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     rows = []
     for seq in args.seqs:
-        one, two = (spawn(point, cp, seq, cp, args.steps)[0] for cp in (1, 2))
-        rows += [one, two]
-        print(f"seq {seq}: step {one['step_s']:.3f} s -> {two['step_s']:.3f} s; saved activations per rank "
-              f"{one['saved_activation_bytes'] / 2**20:.1f} -> {two['saved_activation_bytes'] / 2**20:.1f} MiB "
-              f"(x{two['saved_activation_bytes'] / one['saved_activation_bytes']:.2f}); attention only "
-              f"x{two['attention_saved_bytes'] / one['attention_saved_bytes']:.2f}", flush=True)
+        one = spawn(point, 1, seq, 1, args.steps)[0]
+        rows.append(one)
+        for method in ("ring", "allgather"):
+            two = spawn(point, 2, seq, 2, args.steps, method)[0]
+            rows.append(two)
+            print(f"seq {seq} cp2 {method}: step {one['step_s']:.3f} s -> {two['step_s']:.3f} s; saved activations "
+                  f"per rank {one['saved_activation_bytes'] / 2**20:.1f} -> "
+                  f"{two['saved_activation_bytes'] / 2**20:.1f} MiB "
+                  f"(x{two['saved_activation_bytes'] / one['saved_activation_bytes']:.2f}); attention only "
+                  f"x{two['attention_saved_bytes'] / one['attention_saved_bytes']:.2f}", flush=True)
     result = {"model": MODEL, "batch": 1, "precision": "32-true", "rows": rows,
-              "note": "cp=2 all-gathers K/V (whole-sequence keys per rank); ring attention would reach 1/cp."}
+              "note": "cp=2 'ring' passes K/V blocks point-to-point (1/cp of attention's saved bytes per rank); "
+                      "'allgather' keeps the whole sequence's K/V on every rank."}
     _env.write_json(args.out, result)
     return result
 

@@ -87,9 +87,12 @@ class NPUHybridStrategy(DDPStrategy):
         data_parallel_size: model replicas, each reading its own batches; ``"auto"`` is
             world size // (tp * pp).
         context_parallel_size: ranks that split each sequence between them (a ``cp`` mesh dim between dp and tp):
-            rank i keeps the load-balanced chunks i and 2cp-1-i, attention all-gathers K/V over cp, the loss is
+            rank i keeps the load-balanced chunks i and 2cp-1-i, attention is ring attention over cp, the loss is
             averaged over every token and gradients over dp x cp (`lightning_npu.parallel.context_parallel`). With
-            dp, tp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
+            dp, tp, pp, ZeRO 0-3 and full activation checkpointing; the sequence length must be divisible by 2cp.
+        context_parallel_attention: ``"ring"`` (K/V blocks passed point-to-point around the cp ring: 1/cp of the
+            attention activations per rank) or ``"allgather"`` (K/V all-gathered over cp: one collective per
+            layer, whole-sequence K/V on every rank).
         branch_layouts: ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0}}``:
             a submodule (a CLIP tower) with its own (branch dp x branch tp) inside each top-level tp group: sharded
             at tp N, its input batch split over the tp / N branch-dp ranks and its output all-gathered, its gradients
@@ -172,6 +175,7 @@ class NPUHybridStrategy(DDPStrategy):
         save_distributed_checkpoint: Union[None, bool, Literal["auto"]] = None,
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        context_parallel_attention: str = "ring",
         branch_layouts: Optional[dict] = None,
     ) -> None:
         ParallelConfig.check_strategy_options(start_method, find_unused_parameters, static_graph, async_save,
@@ -182,6 +186,7 @@ class NPUHybridStrategy(DDPStrategy):
             data_parallel_size=data_parallel_size,
             expert_parallel_size=expert_parallel_size,
             context_parallel_size=context_parallel_size,
+            context_parallel_attention=context_parallel_attention,
             zero_stage=zero_stage,
             micro_batches=micro_batches,
             pipeline_schedule=pipeline_schedule,
@@ -408,15 +413,18 @@ class NPUHybridStrategy(DDPStrategy):
         (`lightning_npu.parallel.data_parallel.buffers`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_step()
-        if self._pipeline is not None:
-            out = self._pipeline_step(kind, *args, **kwargs)
-        elif self._context_parallel is not None:  # this rank's chunks of each sequence
+        if self._context_parallel is not None:  # this rank's chunks of each sequence (then of each micro-batch)
             if kind == "predict":
                 raise ValueError("`context_parallel_size>1` splits sequences for training and evaluation; predict "
                                  "with a strategy at context_parallel_size=1 (the checkpoint loads under any cp).")
             args = self._context_parallel.split_args(args)
             with self._context_parallel.step(self.root_device):
-                out = self._module_step(method, context, *args, **kwargs)
+                if self._pipeline is not None:
+                    out = self._pipeline_step(kind, *args, **kwargs)
+                else:
+                    out = self._module_step(method, context, *args, **kwargs)
+        elif self._pipeline is not None:
+            out = self._pipeline_step(kind, *args, **kwargs)
         else:
             out = self._module_step(method, context, *args, **kwargs)
         if self._buffer_sync is not None:
@@ -528,7 +536,7 @@ class NPUHybridStrategy(DDPStrategy):
             self._pipeline = apply_pp(module, self.device_mesh, cfg, self._plan_pipeline(), self.root_device)
         self._bound_metrics = reduction.bind_metrics(module, self.device_mesh)  # torchmetrics sync over dp, like `reduce`
         if cfg.context_parallel_size > 1 and getattr(self._context_parallel, "module", None) is not module:
-            self._context_parallel = ContextParallel(module, self.device_mesh)  # position ids, attention
+            self._context_parallel = ContextParallel(module, self.device_mesh, cfg.context_parallel_attention)
 
     def _module_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """A LightningModule that is itself an FSDP2 unit (ZeRO 2/3, parameters held directly) runs the step

@@ -98,13 +98,21 @@ def fit(kind: str, strategy: dict[str, Any], steps: int = STEPS, save: Optional[
     model = build(kind)
     strategy = NPUHybridStrategy(**strategy)
     cfg = strategy.parallel_config
-    dp = world // (cfg.tensor_parallel_size * cfg.context_parallel_size)
+    dp = world // (cfg.tensor_parallel_size * cfg.context_parallel_size * cfg.pipeline_parallel_size)
     losses, saved = Losses(), PeakSaved()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[losses, saved], num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
                         gradient_clip_val=0.5)
     loader = DataLoader(TokenData(kind), batch_size=GLOBAL_BATCH // dp, shuffle=False)
+    lengths: set[int] = set()  # the sequence lengths the model's forward saw (under cp: this rank's chunks)
+
+    def seen(module, args, kwargs):
+        tokens = args[0] if args else kwargs.get("input_ids")
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            lengths.add(tokens.shape[1])
+
+    model.model.register_forward_pre_hook(seen, with_kwargs=True)
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=load)
     except Exception as err:  # noqa: BLE001 (a refusal is a result here)
@@ -112,6 +120,7 @@ def fit(kind: str, strategy: dict[str, Any], steps: int = STEPS, save: Optional[
     if save:
         trainer.save_checkpoint(save)
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "saved_bytes": saved.peak,
+            "lengths": sorted(lengths),
             "recompute": str(trainer.strategy.recompute_report)}
 
 
@@ -166,21 +175,63 @@ class _Short(TokenData):
         return x[:14], y[:14]
 
 
+def ring_errors() -> dict[str, float]:
+    """Ring attention on this launch's ranks (cp = world, fp64, grouped-query heads) against one SDPA over the whole
+    sequence: the largest difference of the output and of dq, dk, dv, on CPU's flash kernel and the matmul form."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_npu.parallel.context_parallel import blockwise, ring
+    from lightning_npu.parallel.context_parallel.layout import ChunkLayout
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    layout = ChunkLayout(cp, rank)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, h, 8 * cp, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(whole[0], *(t.repeat_interleave(2, 1) for t in whole[1:]), is_causal=True
+                                   ).backward(grad)
+    split = lambda t: layout.split(t.transpose(1, 2)).transpose(1, 2).contiguous()  # noqa: E731
+    out = {}
+    for form, fused in (("flash", blockwise.supported), ("matmul", lambda q: False)):
+        local = [split(t).requires_grad_() for t in (q, k, v)]
+        original, ring.blockwise.supported = ring.blockwise.supported, fused
+        try:
+            o = ring.RingAttention.apply(*local, ring.Ring(dist.group.WORLD),
+                                         tuple(layout.chunks(r) for r in range(cp)), None, 2)
+            o.backward(split(grad))
+        finally:
+            ring.blockwise.supported = original
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+        out[form] = max([(o - split(ref)).abs().max().item()]
+                        + [(t.grad - split(w.grad)).abs().max().item() for t, w in zip(local, whole)])
+    return out
+
+
 def two_process(directory: str) -> dict[str, Any]:
-    """The 2-process launch: cp=2 for Llama (ZeRO-1), Qwen3 and the GPT (ZeRO-0), both also with full activation
-    checkpointing, the resume, the refusals."""
+    """The 2-process launch: cp=2 for Llama (ZeRO-1), Qwen3 and the GPT (ZeRO-0; also all-gathered K/V), both also
+    with full activation checkpointing, the resume, the refusals, ring attention against one SDPA."""
     out = run({"llama cp2": ("llama", {"context_parallel_size": 2}),
                "qwen3 cp2": ("qwen3", {"context_parallel_size": 2, "zero_stage": 0}),
                "gpt cp2": ("gpt", {"context_parallel_size": 2, "zero_stage": 0}),
+               "gpt cp2 allgather": ("gpt", {"context_parallel_size": 2, "zero_stage": 0,
+                                             "context_parallel_attention": "allgather"}),
                # full recompute: attention re-runs in backward with the step's split (the mode re-entered)
                "gpt cp2 ac": ("gpt", {"context_parallel_size": 2, "zero_stage": 0, "activation_checkpointing": "full"}),
                "llama cp2 ac": ("llama", {"context_parallel_size": 2, "activation_checkpointing": "full"})})
     out["resume"] = resume_across_cp(directory)
     out["refusals"] = refusals()
+    out["ring"] = ring_errors()
     return out
 
 
 def four_process() -> dict[str, Any]:
-    """The 4-process launch: the GPT at cp2 x dp2 x ZeRO-3, Llama at cp2 x tp2 (ZeRO-0)."""
-    return run({"gpt cp2 dp2 zero3": ("gpt", {"context_parallel_size": 2, "zero_stage": 3}),
-                "llama cp2 tp2": ("llama", {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 0})})
+    """The 4-process launch: the GPT at cp2 x dp2 x ZeRO-3 and at pp2 x cp2 (ZeRO-1, 2 micro-batches), Llama at
+    cp2 x tp2 (ZeRO-0), ring attention at cp=4."""
+    out = run({"gpt cp2 dp2 zero3": ("gpt", {"context_parallel_size": 2, "zero_stage": 3}),
+               "gpt pp2 cp2": ("gpt", {"context_parallel_size": 2, "pipeline_parallel_size": 2, "micro_batches": 2}),
+               "llama cp2 tp2": ("llama", {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 0})})
+    out["ring"] = ring_errors()
+    return out

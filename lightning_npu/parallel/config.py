@@ -28,6 +28,7 @@ from lightning_npu.validate import check_bool, check_choice, check_int, check_nu
 
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CONTEXT_PARALLEL_ATTENTION = ("ring", "allgather")  # K/V blocks point-to-point around the cp ring | all-gathered
 GRADIENT_COMPRESSIONS = (None, "bf16", "int8", "topk", "onebit", "powersgd")
 TP_STYLES = ("colwise", "rowwise", "vocab", "colwise_rep", "rowwise_rep", "qkv", "gate_up", "replicate_sum_grad",
              "sequence", "replicate", "auto")
@@ -110,6 +111,7 @@ class ParallelConfig:
     data_parallel_size: Union[int, str] = "auto"
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
+    context_parallel_attention: str = "ring"
     zero_stage: int = 1
     micro_batches: Optional[int] = None
     pipeline_schedule: str = "1f1b"
@@ -136,6 +138,8 @@ class ParallelConfig:
         check_int("pipeline_parallel_size", self.pipeline_parallel_size, example=2, error=ParallelConfigError)
         check_int("expert_parallel_size", self.expert_parallel_size, example=2, error=ParallelConfigError)
         check_int("context_parallel_size", self.context_parallel_size, example=2, error=ParallelConfigError)
+        check_choice("context_parallel_attention", self.context_parallel_attention, CONTEXT_PARALLEL_ATTENTION,
+                     error=ParallelConfigError)
         if self.data_parallel_size != "auto":
             check_int("data_parallel_size", self.data_parallel_size, example=2, error=ParallelConfigError)
         if not (type(self.zero_stage) is int and self.zero_stage in ZERO_STAGES):  # 1.0 == 1, True == 1
@@ -212,10 +216,9 @@ class ParallelConfig:
             )
 
     def _check_context_layout(self) -> None:
-        """Context parallelism composes with dp, tp and ZeRO 0-3; what is not built is refused by name."""
+        """Context parallelism composes with dp, tp, pp and ZeRO 0-3; what is not built is refused by name."""
         cp = self.context_parallel_size
         unsupported = [
-            ("pipeline_parallel_size", self.pipeline_parallel_size > 1, "pipeline_parallel_size=1"),
             ("expert_parallel_size", self.expert_parallel_size > 1, "expert_parallel_size=1"),
             ("sequence_parallel", self.sequence_parallel, "sequence_parallel=False"),
             ("gradient_compression", self.gradient_compression is not None, "gradient_compression=None"),

@@ -144,7 +144,6 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, rec
     if recompute == "full":
         return act_bytes * h / split
     qkv_out = (h + 2 * model.kv_dim) / t + h / t
-    qkv_out += (layout.cp - 1) * 2 * model.kv_dim / t  # context parallelism keeps the gathered keys and values
     inner, kept = (4 if gated else 2) * f / t, (2 if gated else 1) * f / t  # the MLP's saved / matmul outputs
     if model.experts:  # each token's k experts keep theirs, plus the dispatched and combined copies
         k, fe = model.experts_per_token, model.n_expert_ffn

@@ -96,13 +96,13 @@ def max_usable_devices(model: ModelSpec, cluster: ClusterSpec) -> int:
 
 
 def _meshes(model: ModelSpec, devices: int, context_parallel: Optional[tuple[int, ...]]) -> list[tuple[int, int, int]]:
-    """(tp, pp, cp) of every mesh of `devices` (dp takes the rest); cp > 1 only without pp, with SDPA attention and a
-    sequence that splits into 2cp load-balanced chunks, as the strategy's context parallelism requires."""
+    """(tp, pp, cp) of every mesh of `devices` (dp takes the rest); cp > 1 only with SDPA attention and a sequence
+    that splits into 2cp load-balanced chunks, as the strategy's context parallelism requires."""
     out = []
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
             for cp in _divisors(devices // (tp * pp)):
-                if cp > 1 and (pp > 1 or model.attention == "eager" or model.seq % (2 * cp)):
+                if cp > 1 and (model.attention == "eager" or model.seq % (2 * cp)):
                     continue
                 if context_parallel is not None and cp not in context_parallel:
                     continue

@@ -101,16 +101,16 @@ def _expert_all_to_all_s(model: ModelSpec, cluster: ClusterSpec, layout: Layout,
 
 
 def _context_parallel_s(model: ModelSpec, cluster: ClusterSpec, layout: Layout, token_bytes: float) -> float:
-    """Context parallelism's key/value all-gather of one block per micro-batch (the forward, again in a full
-    recompute) and the reduce-scatter of their gradients in the backward: each rank's share of the sequence's k and
-    v (this rank's tp slice), ring over cp, not overlapped. The cp group (cp ranks tp apart) stays in a node while
-    tp x cp fits one."""
+    """Ring attention's point-to-point passes of one block per micro-batch: the K/V blocks around the cp ring in the
+    forward (again in a full recompute), then in the backward the K/V blocks and their gradients' accumulators; each
+    moves (cp - 1) / cp of the sequence's k and v (this rank's tp slice), one latency per hop, counted as not
+    overlapped. The cp group (cp ranks tp apart) stays in a node while tp x cp fits one."""
     if layout.cp == 1:
         return 0.0
     intra, inter = _links(cluster)
     link = intra if layout.tp * layout.cp <= cluster.devices_per_node else inter
-    whole = token_bytes * layout.cp * 2 * model.kv_dim / layout.tp  # the gathered k and v
-    count = 2 + (1 if layout.recompute == "full" else 0)
+    whole = token_bytes * layout.cp * 2 * model.kv_dim / layout.tp  # the sequence's k and v
+    count = 3 + (1 if layout.recompute == "full" else 0)
     return count * _ring(whole, layout.cp, *link, 1)
 
 

@@ -1,11 +1,13 @@
 """Attention and the loss over a sequence split across the cp ranks.
 
-Attention all-gathers K and V over cp (differentiable: backward reduce-scatters their gradients to the ranks that
-own them), then attends this rank's queries to the whole sequence's keys, causal by global position: on CPU each
-query chunk as two flash-kernel calls merged by log-sum-exp (`blockwise`, no mask tensor), elsewhere one
-scaled-dot-product attention with a boolean mask (key position <= query position). This is the form the Llama 3 405B run used for its
-128k phase; it halves queries, outputs and everything outside attention per rank, but the gathered K/V are
-whole-sequence (ring attention, which passes K/V blocks point-to-point, is what reaches 1/cp of attention memory).
+Two forms (``context_parallel_attention``):
+- ``"ring"`` (the default, `ring`): K/V blocks passed point-to-point around the cp ring, each step attending the
+  local queries to one block, merged by log-sum-exp; saved attention activations are 1/cp of the unsplit run's.
+- ``"allgather"``: K and V all-gathered over cp (differentiable: backward reduce-scatters their gradients), the
+  local queries attending to the whole sequence's keys, causal by global position: on CPU each query chunk as two
+  flash calls merged by log-sum-exp (`blockwise`), elsewhere one SDPA with a boolean mask. The Llama 3 405B run's
+  form for its 128k phase: one collective per layer instead of cp - 1 hops, but the gathered K/V are
+  whole-sequence on every rank.
 
 `ContextParallelMode` reroutes, while a step runs: ``F.scaled_dot_product_attention(..., is_causal=True)`` (the
 example GPT, any model calling it) to `cp_attention`; ``F.cross_entropy(..., reduction="mean")`` to the sum over
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
-from lightning_npu.parallel.context_parallel import blockwise
+from lightning_npu.parallel.context_parallel import blockwise, ring
 from lightning_npu.parallel.context_parallel.layout import IGNORE_INDEX
 
 HF_IMPLEMENTATION = "npu_context_parallel"
@@ -42,6 +44,9 @@ class _StepState:
     key_positions: Optional[torch.Tensor] = None
     key_order: Optional[torch.Tensor] = None  # the gathered keys' indices in global order
     chunks: tuple[int, ...] = ()  # this rank's chunk indices
+    method: str = "ring"  # `context_parallel_attention`: "ring" (point-to-point K/V blocks) or "allgather"
+    ring: Any = None  # ring.Ring over `group`
+    all_chunks: tuple[tuple[int, ...], ...] = ()  # every cp rank's chunk indices, rank after rank
     inside: bool = False
 
 
@@ -53,6 +58,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optio
     """``[B, H, L_local, D]`` queries against the whole sequence's keys, causal by global position."""
     if STATE.group is None:
         raise RuntimeError("context-parallel attention ran outside a context-parallel step.")
+    if STATE.method == "ring":
+        return ring.RingAttention.apply(q, k, v, STATE.ring, STATE.all_chunks, scale, kv_repeat)
     k_all = _all_gather(k.contiguous(), gather_dim=2, group=STATE.group)
     v_all = _all_gather(v.contiguous(), gather_dim=2, group=STATE.group)
     if blockwise.supported(q):  # CPU: the keys in global order, each query chunk in two flash calls (no mask)

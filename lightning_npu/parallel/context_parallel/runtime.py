@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_npu.parallel.context_parallel import attention
+from lightning_npu.parallel.context_parallel import attention, ring
 from lightning_npu.parallel.context_parallel.layout import ChunkLayout, split_batch
 
 
@@ -43,10 +43,12 @@ def position_modules(model: nn.Module) -> list[nn.Module]:
 
 
 class ContextParallel:
-    def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, method: str = "ring") -> None:
         cp_mesh = mesh["cp"]
         self.module = module
         self.group = cp_mesh.get_group()
+        self.method = method
+        self.ring = ring.Ring(self.group)
         self.layout = ChunkLayout(cp_mesh.size(), cp_mesh.get_local_rank())
         self.seq_len: int = 0
         self.shifted_labels = False
@@ -90,6 +92,8 @@ class ContextParallel:
         state.key_positions = self.layout.gathered_positions(self.seq_len, device)
         state.key_order = torch.argsort(state.key_positions)
         state.chunks = self.layout.chunks(self.layout.rank)
+        state.method, state.ring = self.method, self.ring
+        state.all_chunks = tuple(self.layout.chunks(r) for r in range(self.layout.cp))
         state.active = True
         try:
             with attention.ContextParallelMode():
