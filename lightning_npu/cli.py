@@ -28,7 +28,7 @@ from lightning_npu.callbacks._store import CheckpointCorruptedError, list_comple
 from lightning_npu.config_file import ConfigFileError, config_paths, explain, read_config
 from lightning_npu.doctor import command as doctor_command
 from lightning_npu.extras import import_optional
-from lightning_npu.hf_export import NotATransformersCheckpointError, export_hf
+from lightning_npu.parallel.checkpoint.hf_export import NotATransformersCheckpointError, export_hf
 from lightning_npu.ops import extension
 from lightning_npu.parallel.checkpoint.formats import load_checkpoint
 from lightning_npu.planner.cli import command as plan_command

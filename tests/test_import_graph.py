@@ -117,5 +117,5 @@ def test_function_local_imports_of_project_modules_are_only_the_allowed_ones():
 
 def test_no_folder_holds_more_than_twelve_modules():
     for folder in [PKG, *(p for p in PKG.rglob("*") if p.is_dir() and (p / "__init__.py").exists())]:
-        modules = [f for f in folder.glob("*.py") if f.name != "__init__.py"]
+        modules = list(folder.glob("*.py"))  # the package's __init__ counted, as in any module count
         assert len(modules) <= 12, f"{folder.relative_to(PKG.parent)} holds {len(modules)} modules"

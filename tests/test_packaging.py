@@ -100,8 +100,8 @@ def test_sdist_holds_every_package_and_the_kernel_sources(installed):
         names = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
     packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "lightning_npu").rglob("__init__.py")}
     assert {f"{p}/__init__.py" for p in packages} <= names
-    assert {f"csrc/{p.name}" for p in (ROOT / "csrc").iterdir()} <= names
-    assert {"README.md", "pyproject.toml", "setup.py"} <= names
+    assert {f"lightning_npu/_csrc/{p.name}" for p in (ROOT / "csrc").iterdir()} <= names
+    assert {"README.md", "pyproject.toml"} <= names
 
 
 def test_installed_wheel_imports_everything_and_runs_the_cli_outside_the_repo(installed):
