@@ -53,6 +53,7 @@ TRANSFORMERS_STYLES = {
     "packed_colwise": "gate_up",
     "replicated_with_grad_allreduce": "replicate_sum_grad",
     "moe_tp_experts": "experts",
+    "mla_kv_a_proj": "shared_rope_key",
     "replicate": "replicate",
 }
 _EXPERT_STYLES = ("moe", "ep_", "grouped_gemm", "packed_rowwise")
@@ -89,16 +90,16 @@ def _outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Modul
     return found
 
 
-def transformers_tp_plan(hf: nn.Module) -> dict[str, str]:
-    """The model's own tp plan: ``{generic module or parameter name: transformers style}`` (``*`` for layer numbers),
-    empty when it has none. transformers 5 merges it on the instance (``tp_plan``); 4.x keeps ``_tp_plan`` there,
-    and ``config.base_model_tp_plan`` names the base model's modules."""
-    plan = getattr(hf, "tp_plan", None)
+def transformers_tp_plan(hf: nn.Module, kind: str = "tp") -> dict[str, str]:
+    """The model's own tp (or `kind`: ep) plan: ``{generic module or parameter name: transformers style}`` (``*`` for
+    layer numbers), empty when it has none. transformers 5 merges it on the instance (``tp_plan``); 4.x keeps
+    ``_tp_plan`` there, and ``config.base_model_tp_plan`` names the base model's modules."""
+    plan = getattr(hf, f"{kind}_plan", None)
     if not isinstance(plan, dict) or not plan:
-        plan = getattr(hf, "_tp_plan", None)
+        plan = getattr(hf, f"_{kind}_plan", None)
     if isinstance(plan, dict) and plan:
         return dict(plan)
-    base = getattr(getattr(hf, "config", None), "base_model_tp_plan", None) or {}
+    base = getattr(getattr(hf, "config", None), f"base_model_{kind}_plan", None) or {}
     prefix = getattr(hf, "base_model_prefix", "") or ""
     inner = getattr(hf, prefix, None) if prefix else None
     pre = f"{prefix}." if isinstance(inner, nn.Module) and inner is not hf else ""
@@ -139,8 +140,22 @@ def auto_plan(model: nn.Module, modules: dict[str, nn.Module]) -> AutoPlan:
             continue
         covered.append(prefix)
         out.sources.append(f"{_join(prefix, '') or type(model).__name__}: transformers' tp_plan of {type(hf).__name__}")
+        experts = {k for k, v in transformers_tp_plan(hf, "ep").items() if v == "ep_dispatch_experts"}
         for name, module in hf.named_modules():
             style = plan.get(_generic(name)) if name else None
+            if style is None and name and _generic(name) in experts:
+                # transformers >= 5.2x dropped `moe_tp_experts` from its tp plans (its experts go to ep only): the
+                # experts its ep plan names are split over tp as before, Megatron's expert tensor parallelism
+                style = "moe_tp_experts"
+            if style == "mla_kv_a_proj":
+                rope = getattr(getattr(hf, "config", None), "qk_rope_head_dim", None)
+                width = getattr(module, "out_features", None)
+                if isinstance(rope, int) and isinstance(width, int) and 0 < rope < width:
+                    out.fused[_join(prefix, name)] = (width - rope, rope)
+                else:
+                    out.reasons[_join(prefix, name)] = (
+                        "transformers' tp_plan style 'mla_kv_a_proj' needs an nn.Linear and the config's "
+                        f"qk_rope_head_dim (got {rope!r})")
             if style is not None:
                 planned[_join(prefix, name)] = style
             for pname, _ in module.named_parameters(recurse=False):  # entries for a parameter (MoE experts)

@@ -230,10 +230,12 @@ def _check_fused_layout(fqn: str, style: str, auto: Optional[str]) -> None:
 def _fused_parts(fqn: str, style: str, modules: dict[str, nn.Module], automatic: AutoPlan) -> Any:
     if style == "gate_up":
         return 2
-    if style != "qkv":
+    if style not in ("qkv", "shared_rope_key"):
         return None
     if fqn in automatic.fused:
         return automatic.fused[fqn]
+    if style == "shared_rope_key":
+        return None  # its (latent, rope) widths come from the model's plan and config only
     module = modules[fqn]
     return qkv_parts(modules.get(fqn.rpartition(".")[0]), _features(module)[1]) if _is_linear(module) else 3
 
@@ -368,6 +370,8 @@ def _validate(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> None:
                 )
             continue
         in_f, out_f = _features(module)
+        if name == "shared_rope_key":
+            continue  # whole on every rank
         if name == "rowwise":
             _check_divides(tp, "in_features", in_f, fqn)
         elif name == "vocab":

@@ -246,6 +246,30 @@ class ReplicateSumGrad(ParallelStyle):
         return "ReplicateSumGrad()"
 
 
+class SharedRopeKeyProjection(ParallelStyle):
+    """transformers' ``mla_kv_a_proj``: multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2/V3), kept
+    whole on every tp rank. Its output is the compressed K/V (into the column-parallel ``kv_b_proj``, whose backward
+    already sums over tp) then the rotary key shared by all heads, which goes straight to this rank's heads: that
+    last part's gradient is partial, so it is summed over tp in backward."""
+
+    def __init__(self, fused: tuple[int, int]) -> None:
+        super().__init__()
+        self.fused = fused  # (latent, rope) output widths
+        self.rope = fused[1]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def after(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            latent, rope = output.split([output.shape[-1] - self.rope, self.rope], dim=-1)
+            summed = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([latent, summed.to_local(grad_placements=[Partial()])], dim=-1)
+
+        module.register_forward_hook(after)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SharedRopeKeyProjection(fused={self.fused})"
+
+
 class ExpertsTensorParallel(ParallelStyle):
     """transformers' ``moe_tp_experts``: every expert split over tp, as Megatron's expert tensor parallelism.
 
@@ -454,6 +478,7 @@ def style_from_name(name: str, module: nn.Module, fused: Optional[Fused] = None)
     colwise_rep + rowwise_rep keeps what lies between them whole); qkv / gate_up: fused column-parallel keeping
     each rank's parts together (`fused`: the parts' sizes where they differ); replicate_sum_grad: replicated,
     used on local heads, gradient summed over tp; experts: every MoE expert split over tp (`ExpertsTensorParallel`);
+    shared_rope_key: MLA's kv_a_proj_with_mqa, replicated, its rotary-key output part's gradient summed over tp;
     sequence: norm/dropout on sequence shards; replicate: not sharded.
     """
     if name == "colwise":
@@ -470,6 +495,11 @@ def style_from_name(name: str, module: nn.Module, fused: Optional[Fused] = None)
         return ReplicateSumGrad()
     if name == "experts":
         return ExpertsTensorParallel()
+    if name == "shared_rope_key":
+        if not isinstance(fused, tuple) or len(fused) != 2:
+            raise ParallelConfigError(f"tp_plan style 'shared_rope_key' for {type(module).__name__} needs the "
+                                      "(latent, rope) output widths; it comes from transformers' 'mla_kv_a_proj'.")
+        return SharedRopeKeyProjection(fused)
     if name == "vocab":
         if isinstance(module, nn.Embedding):
             return Rowwise(input_layouts=Replicate())
