@@ -124,8 +124,10 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
     params = n * (model.layer_matrix_params() / t + 2 * model.norm_params()) + stage_expert_params(model, layout, stage)
     if stage == 0:
         params += model.vocab * model.hidden / t + (model.seq * model.hidden if model.learned_positions else 0)
+        params += model.input_params
     if stage == layout.pp - 1:
-        params += (0 if model.tied_embeddings else model.vocab * model.hidden / t) + model.norm_params()
+        params += (0 if model.tied_embeddings or not model.lm_head else model.vocab * model.hidden / t)
+        params += model.norm_params()
     return params
 
 
@@ -174,7 +176,7 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, act_byt
     if stage == 0:
         per_mb += 8  # token ids the embedding keeps
     if stage == layout.pp - 1:
-        per_mb += act_bytes * 2 * model.hidden + 4 * model.vocab / layout.tp + 8
+        per_mb += act_bytes * 2 * model.hidden + ((4 * model.vocab / layout.tp + 8) if model.lm_head else 0)
     total = in_flight * tokens * per_mb
     if layout.recompute == "full" and n:  # one block's full activations while it is recomputed
         total += tokens * layer_activation_bytes(model, layout, act_bytes, None)

@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_npu.planner.branch_search import plan_branched
+from lightning_npu.planner.branched import BranchedModel
 from lightning_npu.planner.memory import GB, StageMemory, peak_memory
 from lightning_npu.planner.spec import (
     ACCOUNTINGS,
@@ -31,10 +33,11 @@ class Estimate:
     memory: StageMemory  # the stage that needs the most
     time: StepTime
     tokens_per_s: float
+    branches: tuple = ()  # a multi-branch layout's per-tower `branch_cost.BranchCost`s
 
     def to_dict(self, devices: int, peak_tflops: float) -> dict[str, Any]:
         lay = self.layout
-        return {
+        out = {
             "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage,
                        "micro_batches": lay.micro_batches, "micro_batch_size": lay.micro_batch_size,
                        "activation_checkpointing": lay.recompute, "sequence_parallel": lay.sequence_parallel,
@@ -53,6 +56,10 @@ class Estimate:
             "hfu": self.time.hfu(devices, peak_tflops),
             "strategy": lay.strategy_init_args(),
         }
+        if self.branches:
+            out["step_time_breakdown_s"]["branches"] = self.time.branch_comm_s
+            out["branches"] = [c.to_dict() for c in self.branches]
+        return out
 
 
 @dataclass
@@ -155,7 +162,8 @@ def plan(
 ) -> Plan:
     """Rank every layout of `model` on `cluster` by estimated tokens/s.
 
-    `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config; `cluster` a
+    `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config, or a multi-branch
+    `BranchedModel` (CLIP's towers: ranked by `branch_search.plan_branched`, each tower at its own tp); `cluster` a
     `ClusterSpec` or its fields. Searched: tp x pp x dp, the ZeRO stages, the micro-batch sizes (the divisors of the
     per-dp batch up to `max_micro_batch_size`, or `micro_batch_sizes`), the recomputation policies, sequence
     parallelism, under ``schedule="interleaved_1f1b"``, the interleave depth v (`virtual_stages`, default every
@@ -180,6 +188,14 @@ def plan(
         check_choice("recompute", r, RECOMPUTE, error=PlannerError)
     for z in zero_stages:
         check_choice("zero_stage", z, (0, 1, 2, 3), error=PlannerError)
+    if isinstance(model, BranchedModel):  # towers at their own tp (`branch_layouts`): `branch_search`
+        result = Plan(model, cluster, precision, optimizer, ranked=[], accounting=accounting)
+        plan_branched(model, cluster, precision=precision, optimizer=optimizer, zero_stages=zero_stages,
+                      micro_batch_sizes=micro_batch_sizes, max_micro_batch_size=max_micro_batch_size,
+                      accounting=accounting, result=result)
+        result.ranked.sort(key=lambda e: (-e.tokens_per_s, e.memory.total))
+        result.ranked = result.ranked[:top] if top is not None else result.ranked
+        return result
     usable = max_usable_devices(model, cluster)
     if cluster.devices > usable:
         raise PlannerError(

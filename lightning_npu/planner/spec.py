@@ -59,10 +59,17 @@ class ModelSpec:
     experts: int = 0  # routed experts of every MoE layer (0: a dense MLP); each token goes to `experts_per_token`
     experts_per_token: int = 2
     expert_ffn: Optional[int] = None  # one expert's MLP width (default `ffn`)
+    # an encoder tower (CLIP's vision or text model): no output layer (no logits, no head FLOPs); `input_params` are
+    # its input parameters that tensor parallelism keeps whole (a patch projection, a class token, a pre-norm)
+    lm_head: bool = True
+    input_params: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
+        for name in ("layers", "hidden", "heads", "seq", "global_batch"):
             check_number(name, getattr(self, name), above=0, integral=True, example=8, error=PlannerError)
+        check_number("vocab", self.vocab, above=0 if self.lm_head else None, at_least=None if self.lm_head else 0,
+                     integral=True, example=32000, error=PlannerError)
+        check_number("input_params", self.input_params, at_least=0, integral=True, example=0, error=PlannerError)
         if self.ffn is not None:
             check_number("ffn", self.ffn, above=0, integral=True, example=8, error=PlannerError)
         if self.kv_heads is not None:
@@ -137,10 +144,10 @@ class ModelSpec:
         return self.layer_matrix_params() + self.layer_expert_params() + 2 * self.norm_params()
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0)
+        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0) + self.input_params
 
     def head_params(self) -> int:
-        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.norm_params()
+        return (0 if self.tied_embeddings or not self.lm_head else self.vocab * self.hidden) + self.norm_params()
 
     def num_params(self) -> int:
         return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
@@ -192,10 +199,28 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
+class BranchChoice:
+    """One tower's layout inside each top-level tp group (the strategy's ``branch_layouts`` entry): its own tp size,
+    the rest of the group as its branch dp, and the compression of its branch-dp gradient sum (the user's, not
+    searched: it changes the numerics)."""
+
+    glob: str
+    tp: int
+    compression: Any = None  # as `branch_layouts[glob]["gradient_compression"]` takes it
+
+    def strategy_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"tensor_parallel_size": self.tp}
+        if self.compression is not None:
+            entry["gradient_compression"] = self.compression
+        return entry
+
+
+@dataclass(frozen=True)
 class Layout:
     """One candidate: tp x pp x dp ranks, a ZeRO stage, `micro_batches` per step per dp rank of
     `micro_batch_size` sequences, activation recomputation and sequence parallelism; under interleaved 1F1B,
-    `virtual_stages` (v) model chunks per rank (None: the strategy's default, 2)."""
+    `virtual_stages` (v) model chunks per rank (None: the strategy's default, 2). `branches`: every tower's
+    `BranchChoice` for a multi-branch model (`planner.branched`), tp then being the largest of theirs."""
 
     tp: int
     pp: int
@@ -209,6 +234,7 @@ class Layout:
     virtual_stages: Optional[int] = None
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks
     cp: int = 1  # context parallelism: each sequence split over cp ranks (between dp and tp in the mesh)
+    branches: tuple[BranchChoice, ...] = ()
 
     @property
     def replicas(self) -> int:
@@ -239,6 +265,9 @@ class Layout:
             parts.append("sp")
         if self.recompute:
             parts.append(f"ac-{self.recompute}")
+        for b in self.branches:
+            compressed = b.compression is not None and b.tp < self.tp
+            parts.append(f"{b.glob.rsplit('.', 1)[-1]}:tp{b.tp}" + (f"+{_mode(b.compression)}" if compressed else ""))
         return " ".join(parts)
 
     def strategy_init_args(self) -> dict[str, Any]:
@@ -260,7 +289,15 @@ class Layout:
             args["sequence_parallel"] = True
         if self.recompute:
             args["activation_checkpointing"] = self.recompute
+        if self.branches:  # a tower at the top-level tp has no branch dp: no entry (and nothing to compress)
+            entries = {b.glob: b.strategy_entry() for b in self.branches if b.tp < self.tp}
+            if entries:
+                args["branch_layouts"] = entries
         return args
+
+
+def _mode(compression: Any) -> str:
+    return str(compression.get("mode")) if isinstance(compression, dict) else str(compression)
 
 
 # ---- a model from a LightningCLI config ------------------------------------------------------
@@ -321,10 +358,10 @@ def _from_hf_config(path: Path, config: dict, overrides: dict[str, Any]) -> Mode
         raise PlannerError(f"{path}: {err}") from None
 
 
-def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
+def model_from_config(path: str | Path, **overrides: Any) -> Any:
     """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
     ``batch_size`` x devices give seq and global batch unless `overrides` set them), or from a `transformers`
-    ``config.json``."""
+    ``config.json``; a `planner.branched.BranchedModel` from a CLIP config.json or an examples/clip config."""
     path = Path(path)
     if not path.is_file():
         raise PlannerError(
@@ -335,6 +372,14 @@ def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
         config = read_config(path)
     except ConfigFileError as err:
         raise PlannerError(f"--model {err}") from None
+    from lightning_npu.planner.branched import branched_from_config, is_branched_config
+
+    if is_branched_config(config):  # two towers (CLIP): a `BranchedModel`
+        unknown = sorted(k for k, v in overrides.items() if v is not None and k != "global_batch")
+        if unknown:
+            raise PlannerError(f"--model {path}: a two-tower model takes its sizes from the config; drop "
+                               f"{', '.join('--' + k.replace('_', '-') for k in unknown)} (only --global-batch applies).")
+        return branched_from_config(path, config, overrides.get("global_batch"))
     if _is_hf_config(config):
         return _from_hf_config(path, config, overrides)
     model = config.get("model") or {}
