@@ -45,7 +45,8 @@ def breakdown(best: Any) -> str:
     lines = ["per tower (best layout; per rank, per optimizer step):"]
     for c in best.branches:
         lines.append(
-            f"  {_short(c.glob)}: tp {c.tp} x branch dp {c.bdp} ({c.samples_per_micro_batch:g} samples per micro-batch); "
+            f"  {_short(c.glob)}: tp {c.tp} x branch dp {c.bdp} ({c.samples_per_micro_batch:g} samples per "
+            "micro-batch); "
             f"{c.params:,.0f} parameters, {(c.parameters + c.gradients + c.optimizer) / GB * 1e3:.4g} MB states, "
             f"{c.activations / GB * 1e3:.4g} MB activations; compute {c.compute_s:.4g} s, tp {c.tp_comm_s:.3g} s, "
             f"output gather {c.gather_s:.3g} s, branch-dp gradient sum {c.grad_sum_s:.3g} s "

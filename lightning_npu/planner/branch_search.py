@@ -14,6 +14,7 @@ from typing import Optional
 from lightning_npu.planner.branch_cost import branch_costs, branched_memory, branched_step_time
 from lightning_npu.planner.branched import BranchedModel
 from lightning_npu.planner.memory import GB
+from lightning_npu.planner.result import Estimate, Plan
 from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError
 
 
@@ -35,9 +36,9 @@ def max_top_tp(model: BranchedModel, cluster: ClusterSpec) -> int:
 
 def plan_branched(model: BranchedModel, cluster: ClusterSpec, *, precision: str, optimizer: str,
                   zero_stages: tuple[int, ...], micro_batch_sizes: Optional[tuple[int, ...]],
-                  max_micro_batch_size: int, accounting: str, result: "Plan") -> "Plan":  # noqa: F821
-    from lightning_npu.planner.search import Estimate  # the single-tower search's result types
-
+                  max_micro_batch_size: int, accounting: str, result: Plan) -> Plan:
+    """Fill `result` (the caller's `Plan`) with every buildable layout of `model` that fits, and count the rest by
+    reason."""
     usable = max_top_tp(model, cluster) * model.global_batch
     if cluster.devices > usable:
         raise PlannerError(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
+from lightning_npu.parallel.errors import CompressionConfigError
 from lightning_npu.planner.spec import ModelSpec, PlannerError
 
 # transformers' CLIPTextConfig / CLIPVisionConfig / CLIPConfig defaults (save_pretrained leaves them out)
@@ -82,9 +84,6 @@ def check_compression(glob: str, value: Any) -> None:
     """What the strategy takes on a branch (`parse_compression`) and the planner can cost: one of `MODES`."""
     if value is None:
         return
-    from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
-    from lightning_npu.parallel.errors import CompressionConfigError
-
     where = f"the branch compression of {glob!r}"
     try:
         spec = parse_compression(value)
@@ -96,8 +95,7 @@ def check_compression(glob: str, value: Any) -> None:
 
 
 def compression_spec(value: Any) -> Any:
-    from lightning_npu.parallel.data_parallel.compression_spec import parse_compression
-
+    """The strategy's parsed form (`CompressionSpec`, or None) of a branch compression."""
     return parse_compression(value)
 
 

@@ -3,11 +3,12 @@
 A run's log directory (LightningCLI's ``lightning_logs/version_N``, or any folder above it: the newest is taken) holds
 ``config.yaml`` (the model, the data's batch, the trainer's devices, precision and strategy) and ``metrics.csv``
 (Lightning's CSVLogger, the default logger without TensorBoard): ``tokens_per_s`` (the example GPT and Llama log it
-every step; ``samples_per_s`` for examples/clip, whose towers see different token counts) gives the measured step time, ``MemoryMonitor``'s ``memory/*_bytes`` the measured peak. The step time is
-A / efficiency + B in the efficiency (compute scales with it, communication does not), so two evaluations give A
-and B and the efficiency that matches the median measured step; the memory overhead is measured / estimated peak:
-the allocator's ``max_allocated`` against the whole estimate on a device, or on CPU (no allocator statistics) the
-tensors MemoryMonitor counts (weights, gradients, optimizer state, saved activations) against the same parts.
+every step; ``samples_per_s`` for examples/clip, whose towers see different token counts) gives the measured step
+time, ``MemoryMonitor``'s ``memory/*_bytes`` the measured peak. The step time is A / efficiency + B in the
+efficiency (compute scales with it, communication does not), so two evaluations give A and B and the efficiency
+that matches the median measured step; the memory overhead is measured / estimated peak: the allocator's
+``max_allocated`` against the whole estimate on a device, or on CPU (no allocator statistics) the tensors
+MemoryMonitor counts (weights, gradients, optimizer state, saved activations) against the same parts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from lightning_npu.config_file import ConfigFileError, read_config
 from lightning_npu.planner.branch_cost import branch_costs, branched_memory, branched_step_time
 from lightning_npu.planner.branched import BranchedModel
 from lightning_npu.planner.memory import StageMemory, memory_by_stage
-from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError, model_from_config
+from lightning_npu.planner.read import model_from_config
+from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError
 from lightning_npu.planner.timing import StepTime, step_time
 
 _COUNTED = ("parameters", "gradients", "optimizer_state", "activations_peak")

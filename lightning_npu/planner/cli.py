@@ -17,7 +17,9 @@ from lightning_npu.planner import branch_report
 from lightning_npu.planner.branched import BranchedModel
 from lightning_npu.planner.calibrate import calibrate, summary
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
-from lightning_npu.planner.search import Estimate, Plan, plan
+from lightning_npu.planner.read import model_from_config
+from lightning_npu.planner.result import Estimate, Plan
+from lightning_npu.planner.search import plan
 from lightning_npu.planner.spec import (
     ACCOUNTINGS,
     ATTENTIONS,
@@ -27,7 +29,6 @@ from lightning_npu.planner.spec import (
     ClusterSpec,
     ModelSpec,
     PlannerError,
-    model_from_config,
 )
 
 PROG = "lightning-npu plan"

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_npu.config_file import ConfigFileError, read_config
 from lightning_npu.validate import check_choice, check_number
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -358,28 +357,10 @@ def _from_hf_config(path: Path, config: dict, overrides: dict[str, Any]) -> Mode
         raise PlannerError(f"{path}: {err}") from None
 
 
-def model_from_config(path: str | Path, **overrides: Any) -> Any:
+def decoder_from_config(path: Path, config: dict, **overrides: Any) -> ModelSpec:
     """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
     ``batch_size`` x devices give seq and global batch unless `overrides` set them), or from a `transformers`
-    ``config.json``; a `planner.branched.BranchedModel` from a CLIP config.json or an examples/clip config."""
-    path = Path(path)
-    if not path.is_file():
-        raise PlannerError(
-            f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml, or a "
-            "transformers config.json."
-        )
-    try:
-        config = read_config(path)
-    except ConfigFileError as err:
-        raise PlannerError(f"--model {err}") from None
-    from lightning_npu.planner.branched import branched_from_config, is_branched_config
-
-    if is_branched_config(config):  # two towers (CLIP): a `BranchedModel`
-        unknown = sorted(k for k, v in overrides.items() if v is not None and k != "global_batch")
-        if unknown:
-            raise PlannerError(f"--model {path}: a two-tower model takes its sizes from the config; drop "
-                               f"{', '.join('--' + k.replace('_', '-') for k in unknown)} (only --global-batch applies).")
-        return branched_from_config(path, config, overrides.get("global_batch"))
+    ``config.json``; `config` is the file `path` read (`planner.read.model_from_config` reads it)."""
     if _is_hf_config(config):
         return _from_hf_config(path, config, overrides)
     model = config.get("model") or {}
