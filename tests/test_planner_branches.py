@@ -197,6 +197,17 @@ def test_bad_branch_arguments_say_what_to_pass(extra, words, tmp_path, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_what_branches_do_not_compose_with_is_refused_by_name(tmp_path, capsys):
+    model, cluster = _clip(ZOO, 64), ClusterSpec(devices=2)
+    for kwargs in (dict(schedule="interleaved_1f1b"), dict(recompute=("full",)), dict(context_parallel=(2,))):
+        with pytest.raises(PlannerError, match="branch_layouts compose with tensor and data parallelism only"):
+            plan(model, cluster, **kwargs)
+    path = _save_clip_config(ZOO, tmp_path)
+    with pytest.raises(SystemExit):
+        plan_main(["--model", str(path), "--global-batch", "64", "--devices", "2", "--schedule", "gpipe"])
+    assert "schedule='gpipe'" in capsys.readouterr().err
+
+
 def test_a_clip_config_json_needs_the_batch(tmp_path, capsys):
     path = _save_clip_config(ZOO, tmp_path)
     with pytest.raises(SystemExit):

@@ -138,6 +138,14 @@ def plan(
     for z in zero_stages:
         check_choice("zero_stage", z, (0, 1, 2, 3), error=PlannerError)
     if isinstance(model, BranchedModel):  # towers at their own tp (`branch_layouts`): `branch_search`
+        asked = (recompute != RECOMPUTE and any(recompute)) or (sequence_parallel != (False, True)
+                                                                and any(sequence_parallel))
+        if schedule != "1f1b" or context_parallel not in (None, (1,)) or asked:
+            raise PlannerError(
+                f"a multi-branch model with schedule={schedule!r}, context_parallel={context_parallel!r}, "
+                f"recompute={recompute!r} or sequence_parallel={sequence_parallel!r}: branch_layouts compose with "
+                "tensor and data parallelism only (no pp, cp, recomputation or sequence parallelism are searched); "
+                "leave those at their defaults.")
         result = Plan(model, cluster, precision, optimizer, ranked=[], accounting=accounting)
         plan_branched(model, cluster, precision=precision, optimizer=optimizer, zero_stages=zero_stages,
                       micro_batch_sizes=micro_batch_sizes, max_micro_batch_size=max_micro_batch_size,
