@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Rank tensor x pipeline x data parallel x ZeRO layouts of a decoder-only transformer (or each "
         "tower's tp of a two-tower CLIP model: branch_layouts) on a cluster by estimated tokens/s, with memory per "
-        "device by component, and print the LightningCLI strategy block of the best one. Estimates, not measurements: see docs/planning.md for the models' assumptions.",
+        "device by component, and print the LightningCLI strategy block of the best one. Estimates, not "
+        "measurements: see docs/planning.md for the models' assumptions.",
     )
     m = p.add_argument_group("model (a LightningCLI config, or the sizes; sizes given override the config)")
     m.add_argument("--model", help="LightningCLI YAML whose model block gives the sizes, "
