@@ -4,6 +4,7 @@ everything ranked buildable by the strategy, and `--calibrate` on a measured 2-p
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -80,7 +81,9 @@ def test_branch_costs_equal_hand_computed_values(compression, sent):
     ring = lambda nbytes, n, factor: factor * (n - 1) * lat + factor * (n - 1) / n * nbytes / bw  # noqa: E731
 
     block = 4 * h * h + 2 * h * f + (5 * h + f)  # q, k, v, out, fc1, fc2 with their biases
-    assert vision.params == 3 * 16 * 32 + h + 2 * h + 17 * h + 2 * (block / 2 + 4 * h) + 2 * h == 10_912
+    # the patch conv, class token, pre-norm and positions whole; the row-parallel biases (out_proj, fc2) whole
+    assert vision.params == 3 * 16 * 32 + h + 2 * h + 17 * h + 2 * ((block - 2 * h) / 2 + 2 * h + 4 * h) + 2 * h \
+        == 10_976
     assert text.params == 128 * h + 16 * h + 2 * (block + 4 * h) + 2 * h == 21_760
     assert (text.bdp, text.samples_per_micro_batch, vision.bdp) == (2, 2, 1)
     for c in (vision, text):
@@ -104,7 +107,7 @@ def test_branch_costs_equal_hand_computed_values(compression, sent):
                                             for c in (vision, text)), rel=1e-12)  # dp 1: no top-level reduction
     memory = branched_memory(model, layout, [vision, text], "32-true", "adamw")
     trunk = 16 * (h + h) + 1
-    assert memory.parameters + memory.gradients + memory.optimizer == 16 * (10_912 + 21_760 + trunk)
+    assert memory.parameters + memory.gradients + memory.optimizer == 16 * (10_976 + 21_760 + trunk)
     assert memory.buffers == text.gathered_output  # dp 1: no gradient buckets
 
 
@@ -244,3 +247,15 @@ def test_calibrate_on_a_measured_clip_run(tmp_path, capsys):
     assert abs(cal["predicted_step_s"] / cal["measured_step_s"] - 1) < 0.25, cal
     assert 0.8 < cal["memory_overhead"] < 1.5, cal  # MemoryMonitor's tensors against the same parts of the estimate
     assert out["layouts"] and all(b["tp"] for b in out["layouts"][0]["branches"])
+    # rank 0's model states, as MemoryMonitor counted them, equal the estimate's to the byte
+    from lightning_npu.planner.calibrate import calibrate, estimate, find_run
+
+    fitted = calibrate(tmp_path, ClusterSpec(devices=2))
+    _, memory = estimate(fitted.model, ClusterSpec(devices=2), fitted.layout, fitted.precision)
+    with open(find_run(tmp_path) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    # (AdamW's state also holds a 4-byte step counter per parameter tensor: 78 of them in a CLIPModel)
+    for part, key, extra in (("parameters", "parameters", 0), ("gradients", "gradients", 0),
+                             ("optimizer", "optimizer_state", 4 * 78)):
+        measured = max(float(r[f"memory/{key}_bytes"]) for r in rows if r.get(f"memory/{key}_bytes"))
+        assert getattr(memory, part) + extra == measured, (part, getattr(memory, part), measured)

@@ -117,11 +117,13 @@ def stage_layers(model: ModelSpec, pp: int) -> list[int]:
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
-    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp, its
-    experts split over ep x tp (`stage_expert_params`)."""
+    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp (the
+    row-parallel biases whole), its experts split over ep x tp (`stage_expert_params`)."""
     t = layout.tp
     n = stage_layers(model, layout.pp)[stage]
-    params = n * (model.layer_matrix_params() / t + 2 * model.norm_params()) + stage_expert_params(model, layout, stage)
+    whole = model.row_parallel_biases()  # a row-parallel layer adds its bias once, after the all-reduce: replicated
+    params = n * ((model.layer_matrix_params() - whole) / t + whole + 2 * model.norm_params())
+    params += stage_expert_params(model, layout, stage)
     if stage == 0:
         params += model.vocab * model.hidden / t + (model.seq * model.hidden if model.learned_positions else 0)
         params += model.input_params

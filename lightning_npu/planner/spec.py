@@ -119,6 +119,11 @@ class ModelSpec:
             if self.bias else 0
         return attn + mlp + biases
 
+    def row_parallel_biases(self) -> int:
+        """Bias elements of a block's row-parallel layers (the attention output, the dense MLP's down projection):
+        tensor parallelism keeps them whole on every rank."""
+        return (self.hidden + (0 if self.experts else self.hidden)) if self.bias else 0
+
     def _mlp_params(self, width: int) -> int:
         return (3 if self.mlp == "swiglu" else 2) * self.hidden * width
 
