@@ -36,7 +36,7 @@ from lightning_npu.planner.memory import (
     stage_activation_bytes,
     stage_params,
 )
-from lightning_npu.planner.spec import ClusterSpec, Layout, PlannerError
+from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError
 from lightning_npu.planner.timing import StepTime, _links, _ring, flops_per_token, model_flops_per_token
 
 CHUNK = 256  # values per int8/onebit scale (`compression.CHUNK`)
@@ -71,7 +71,7 @@ def tower_layout(layout: Layout, tp: int, samples: int) -> Layout:
     return Layout(tp, 1, layout.dp, layout.zero_stage, layout.micro_batches, samples, layout.recompute)
 
 
-def grad_sum_payload(values: float, bdp: int, compression: Any) -> tuple[float, int]:
+def grad_sum_payload(values: float, compression: Any) -> tuple[float, int]:
     """(bytes this rank sends, ring factor: 2 all-reduce, 1 all-gather of bdp payloads) for summing `values`
     gradients over the branch dp."""
     spec = compression_spec(compression)
@@ -87,9 +87,11 @@ def grad_sum_payload(values: float, bdp: int, compression: Any) -> tuple[float, 
     return chunks * (CHUNK // 8 + 4), 1  # onebit: packed signs + a fp32 scale per chunk
 
 
-def tower_cost(tower: Tower, choice_tp: int, layout: Layout, cluster: ClusterSpec, precision: str, optimizer: str,
-               accounting: str) -> BranchCost:
-    m, bdp = tower.model, layout.tp // choice_tp
+def tower_cost(tower: Tower, choice: BranchChoice, layout: Layout, cluster: ClusterSpec, precision: str,
+               optimizer: str, accounting: str) -> BranchCost:
+    """One tower's costs at `choice` (its tp and compression) inside `layout` (see the module docstring)."""
+    m, choice_tp = tower.model, choice.tp
+    bdp = layout.tp // choice_tp
     if layout.tp % choice_tp or layout.micro_batch_size % bdp:
         raise PlannerError(f"tower {tower.glob!r} at tp {choice_tp}: its branch dp ({layout.tp} // {choice_tp}) must "
                            f"divide the micro-batch of {layout.micro_batch_size} and its tp the top-level tp "
@@ -110,7 +112,7 @@ def tower_cost(tower: Tower, choice_tp: int, layout: Layout, cluster: ClusterSpe
     n_allreduce = 4 + (2 if layout.recompute == "full" else 0)
     tp_comm = m.layers * n_allreduce * _ring(tokens * m.hidden * act, choice_tp, *intra)
     gather = _ring(gathered, bdp, *intra, 1)
-    sent, factor = grad_sum_payload(params, bdp, tower.compression)
+    sent, factor = grad_sum_payload(params, choice.compression)
     grad_sum = _ring(sent * (bdp if factor == 1 else 1), bdp, *intra, factor) if bdp > 1 else 0.0
     mb = layout.micro_batches
     return BranchCost(tower.glob, choice_tp, bdp, samples, params, states["parameters"], states["gradients"],
@@ -120,7 +122,11 @@ def tower_cost(tower: Tower, choice_tp: int, layout: Layout, cluster: ClusterSpe
 
 def branch_costs(model: BranchedModel, cluster: ClusterSpec, layout: Layout, precision: str = "bf16-mixed",
                  optimizer: str = "adamw", accounting: str = "lightning-npu") -> list[BranchCost]:
-    choices = {b.glob: b.tp for b in layout.branches}
+    """Every tower's costs at the `BranchChoice` `layout` gives it."""
+    choices = {b.glob: b for b in layout.branches}
+    missing = [t.glob for t in model.towers if t.glob not in choices]
+    if missing:
+        raise PlannerError(f"the layout gives no BranchChoice for the towers {missing}; give every tower one.")
     return [tower_cost(t, choices[t.glob], layout, cluster, precision, optimizer, accounting) for t in model.towers]
 
 
