@@ -116,11 +116,12 @@ def _tps(estimate) -> tuple[int, int]:
     return tuple(b.tp for b in estimate.layout.branches)
 
 
-def test_memory_gives_the_vision_tower_the_larger_tp():
-    """ViT-L/14 + its text tower (428 M), 4096 pairs per step on 8 devices of 2 GB: only a split vision tower fits.
-    The text tower's 12 heads stop at tp 4; the vision tower's 303 M parameters need tp 8 (its states at tp 4, 1.2 GB,
-    plus the text tower's leave no room for activations), so every fitting layout has vision tp >= text tp."""
-    result = plan(_clip(VIT_L14, 4096), ClusterSpec(devices=8, device_memory_gb=2.0), zero_stages=(0,))
+@pytest.mark.parametrize("zero_stages, memory_gb", [((0,), 2.0), ((0, 1), 1.5)])
+def test_memory_gives_the_vision_tower_the_larger_tp(zero_stages, memory_gb):
+    """ViT-L/14 + its text tower (428 M), 4096 pairs per step on 8 devices: at ZeRO 0 (examples/clip's zero_stage) on
+    2 GB, or with ZeRO-1 searched too on 1.5 GB, only a split vision tower fits. The text tower's 12 heads stop at tp
+    4; the vision tower's 303 M parameters need tp 8, so every fitting layout has vision tp >= text tp."""
+    result = plan(_clip(VIT_L14, 4096), ClusterSpec(devices=8, device_memory_gb=memory_gb), zero_stages=zero_stages)
     assert _tps(result.best) == (8, 4)
     assert all(v >= t for v, t in map(_tps, result.ranked))
     args = result.best.layout.strategy_init_args()
@@ -128,13 +129,15 @@ def test_memory_gives_the_vision_tower_the_larger_tp():
 
 
 def test_time_gives_branch_dp_to_the_token_heavy_tower():
-    """With room to spare (4 GB), tp is a memory tool and time decides: tensor parallelism moves activations (4
-    all-reduces of b s h per block), branch dp moves gradients once per step (its parameters). ViT-L/14's tower has
-    257 tokens per sample and 24 blocks (8.9x the text tower's tp traffic for 2.5x its parameters), so at a top-level
-    tp of 4 the planner gives the vision tower branch dp and keeps the text tower at tp 4."""
+    """At ZeRO 0 on 4 GB, a top-level tp of 4 is needed but the towers have room to choose: tensor parallelism moves
+    activations (4 all-reduces of b s h per block), branch dp moves gradients once per step (its parameters).
+    ViT-L/14's tower has 257 tokens per sample and 24 blocks (8.9x the text tower's tp traffic for 2.5x its
+    parameters), so the planner gives the vision tower branch dp and keeps the text tower at tp 4. (With ZeRO-1
+    searched, dp 8 at tp 1 fits on 4 GB and ranks first: ZeRO frees the memory tp was for.)"""
     model, cluster = _clip(VIT_L14, 4096), ClusterSpec(devices=8, device_memory_gb=4.0)
     result = plan(model, cluster, zero_stages=(0,))
     assert (result.best.layout.tp, _tps(result.best)) == (4, (2, 4))
+    assert plan(model, cluster).best.layout.describe().startswith("tp1 pp1 dp8 zero1")
 
     def step(v, t):
         lay = Layout(4, 1, 2, 0, 256, 8, branches=(BranchChoice(VISION, v), BranchChoice(TEXT, t)))
