@@ -9,6 +9,7 @@ models a strategy shards.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import lightning as L
@@ -35,6 +36,7 @@ class CLIPModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: Optional[torch.nn.Module] = None
+        self._step_started = 0.0
 
     def configure_model(self) -> None:
         if self.model is not None:  # fit -> validate reuse the model
@@ -58,6 +60,16 @@ class CLIPModule(L.LightningModule):
         loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """Image-text pairs per second over every dp rank (tp peers share a batch): what `lightning-npu plan
+        --calibrate` reads as the step time."""
+        elapsed = time.perf_counter() - self._step_started
+        dp = self.device_mesh["dp"].size() if self._device_mesh is not None else self.trainer.world_size
+        self.log("samples_per_s", batch["input_ids"].shape[0] * dp / max(elapsed, 1e-9), prog_bar=True)
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)

@@ -3,11 +3,12 @@
 A run's log directory (LightningCLI's ``lightning_logs/version_N``, or any folder above it: the newest is taken) holds
 ``config.yaml`` (the model, the data's batch, the trainer's devices, precision and strategy) and ``metrics.csv``
 (Lightning's CSVLogger, the default logger without TensorBoard): ``tokens_per_s`` (the example GPT and Llama log it
-every step) gives the measured step time, ``MemoryMonitor``'s ``memory/*_bytes`` the measured peak. The step time is
-A / efficiency + B in the efficiency (compute scales with it, communication does not), so two evaluations give A
-and B and the efficiency that matches the median measured step; the memory overhead is measured / estimated peak:
-the allocator's ``max_allocated`` against the whole estimate on a device, or on CPU (no allocator statistics) the
-tensors MemoryMonitor counts (weights, gradients, optimizer state, saved activations) against the same parts.
+every step; ``samples_per_s`` for examples/clip, whose towers see different token counts) gives the measured step
+time, ``MemoryMonitor``'s ``memory/*_bytes`` the measured peak. The step time is A / efficiency + B in the
+efficiency (compute scales with it, communication does not), so two evaluations give A and B and the efficiency
+that matches the median measured step; the memory overhead is measured / estimated peak: the allocator's
+``max_allocated`` against the whole estimate on a device, or on CPU (no allocator statistics) the tensors
+MemoryMonitor counts (weights, gradients, optimizer state, saved activations) against the same parts.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_npu.config_file import ConfigFileError, read_config
-from lightning_npu.planner.memory import memory_by_stage
-from lightning_npu.planner.spec import ClusterSpec, Layout, ModelSpec, PlannerError, model_from_config
-from lightning_npu.planner.timing import step_time
+from lightning_npu.planner.branch_cost import branch_costs, branched_memory, branched_step_time
+from lightning_npu.planner.branched import BranchedModel
+from lightning_npu.planner.memory import StageMemory, memory_by_stage
+from lightning_npu.planner.read import model_from_config
+from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError
+from lightning_npu.planner.timing import StepTime, step_time
 
 _COUNTED = ("parameters", "gradients", "optimizer_state", "activations_peak")
 
@@ -30,7 +34,7 @@ _COUNTED = ("parameters", "gradients", "optimizer_state", "activations_peak")
 @dataclass(frozen=True)
 class Calibration:
     run_dir: Path
-    model: ModelSpec
+    model: Any  # a ModelSpec or a planner.branched.BranchedModel
     layout: Layout
     precision: str
     measured_step_s: float
@@ -69,7 +73,7 @@ def _rows(path: Path) -> list[dict[str, float]]:
     return out
 
 
-def layout_from_config(config: dict[str, Any], model: ModelSpec) -> tuple[Layout, str, int]:
+def layout_from_config(config: dict[str, Any], model: Any) -> tuple[Layout, str, int]:
     """The layout, precision and world size a LightningCLI config ran."""
     trainer = config.get("trainer") or {}
     strategy = trainer.get("strategy") or {}
@@ -86,8 +90,30 @@ def layout_from_config(config: dict[str, Any], model: ModelSpec) -> tuple[Layout
     recompute = args.get("activation_checkpointing")
     layout = Layout(tp, pp, dp, int(args.get("zero_stage", 1 if dp > 1 else 0)), m, max(1, per_dp // m),
                     recompute if recompute in ("full", "selective") else None, bool(args.get("sequence_parallel")),
-                    args.get("pipeline_schedule") or "1f1b")
+                    args.get("pipeline_schedule") or "1f1b", branches=_branches(model, args, tp))
     return layout, str(trainer.get("precision", "32-true")), world
+
+
+def _branches(model: Any, args: dict[str, Any], tp: int) -> tuple[BranchChoice, ...]:
+    """Every tower's `BranchChoice` from the run's ``branch_layouts`` (a tower it leaves out runs at the top-level
+    tp); none for a single-tower model."""
+    if not isinstance(model, BranchedModel):
+        return ()
+    given = args.get("branch_layouts") or {}
+    return tuple(BranchChoice(t.glob, int((given.get(t.glob) or {}).get("tensor_parallel_size", tp)), t.compression)
+                 for t in model.towers)
+
+
+def estimate(model: Any, cluster: ClusterSpec, layout: Layout, precision: str,
+             optimizer: str = "adamw") -> tuple[StepTime, StageMemory]:
+    """The step time and the first stage's bytes of `layout` (rank 0 logs: the first stage), for either kind of
+    model."""
+    if isinstance(model, BranchedModel):
+        costs = branch_costs(model, cluster, layout, precision, optimizer)
+        return (branched_step_time(model, cluster, layout, costs, precision),
+                branched_memory(model, layout, costs, precision, optimizer))
+    return (step_time(model, cluster, layout, precision),
+            memory_by_stage(model, layout, precision, optimizer, (0,))[0])
 
 
 def calibrate(run_dir: str | Path, cluster: ClusterSpec, optimizer: str = "adamw", skip: int = 2) -> Calibration:
@@ -103,23 +129,28 @@ def calibrate(run_dir: str | Path, cluster: ClusterSpec, optimizer: str = "adamw
     # accumulated batches at pp = 1 (under pp the pipeline splits each rank's batch into its micro-batches)
     layout, precision, world = layout_from_config(config, model)
     batch = int(((config.get("data") or {}).get("init_args") or {}).get("batch_size", model.global_batch // world))
-    model = dataclasses.replace(model, global_batch=batch * layout.dp * (layout.micro_batches if layout.pp == 1 else 1))
+    global_batch = batch * layout.dp * (layout.micro_batches if layout.pp == 1 else 1)
+    model = (model.with_global_batch(global_batch) if isinstance(model, BranchedModel)
+             else dataclasses.replace(model, global_batch=global_batch))
     layout, precision, world = layout_from_config(config, model)
     rows = _rows(run / "metrics.csv")
     by_step: dict[float, dict[str, float]] = {}
     for row in rows:
         if "step" in row:
             by_step.setdefault(row["step"], {}).update(row)
-    timed = [r["tokens_per_s"] for s, r in sorted(by_step.items()) if s >= skip and r.get("tokens_per_s", 0) > 0]
+    # tokens_per_s (the GPT, Llama) or samples_per_s (CLIP) count one batch on every dp rank: a step is
+    # micro_batches of them when accumulating at pp = 1
+    key = next((k for k in ("tokens_per_s", "samples_per_s") if any(k in r for r in by_step.values())), "tokens_per_s")
+    timed = [r[key] for s, r in sorted(by_step.items()) if s >= skip and r.get(key, 0) > 0]
     if not timed:
-        raise PlannerError(f"{run / 'metrics.csv'}: no tokens_per_s after step {skip}; log it every step "
-                           "(the example modules do; --trainer.log_every_n_steps 1) and train a few more steps.")
-    # tokens_per_s counts one batch on every dp rank: a step is micro_batches of them when accumulating at pp = 1
-    measured = model.global_batch * model.seq / statistics.median(timed)
+        raise PlannerError(f"{run / 'metrics.csv'}: no tokens_per_s or samples_per_s after step {skip}; log one every "
+                           "step (the example modules do; --trainer.log_every_n_steps 1) and train a few more steps.")
+    per_step = model.global_batch * (1 if key == "samples_per_s" else model.seq)
+    measured = per_step / statistics.median(timed)
     cluster = dataclasses.replace(cluster, devices=world, memory_overhead=1.0)
     e0 = cluster.gemm_efficiency
-    s1 = step_time(model, cluster, layout, precision).step_s
-    s2 = step_time(model, dataclasses.replace(cluster, gemm_efficiency=e0 / 2), layout, precision).step_s
+    s1 = estimate(model, cluster, layout, precision, optimizer)[0].step_s
+    s2 = estimate(model, dataclasses.replace(cluster, gemm_efficiency=e0 / 2), layout, precision, optimizer)[0].step_s
     a = e0 * (s2 - s1)
     b = s1 - a / e0
     if measured <= b:
@@ -130,8 +161,8 @@ def calibrate(run_dir: str | Path, cluster: ClusterSpec, optimizer: str = "adamw
         raise PlannerError(f"the run is faster than --peak-tflops {cluster.peak_tflops:g} allows (fitted efficiency "
                            f"{efficiency:.2f} > 1): pass this device's peak.")
     fitted = dataclasses.replace(cluster, gemm_efficiency=efficiency)
-    predicted = step_time(model, fitted, layout, precision).step_s
-    stage0 = memory_by_stage(model, layout, precision, optimizer, (0,))[0]  # rank 0 logs: the first stage
+    predicted, stage0 = estimate(model, fitted, layout, precision, optimizer)
+    predicted = predicted.step_s
     peaks = [r for r in by_step.values() if any(f"memory/{k}_bytes" in r for k in _COUNTED)]
     if any("memory/max_allocated_bytes" in r for r in peaks):
         measured_peak = max(r.get("memory/max_allocated_bytes", 0.0) for r in peaks)

@@ -8,13 +8,18 @@ ZeRO paper's mixed precision, K = 12), so the paper's figures come out as printe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, Optional
 
+from lightning_npu.planner import branch_report
+from lightning_npu.planner.branched import BranchedModel
 from lightning_npu.planner.calibrate import calibrate, summary
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
-from lightning_npu.planner.search import Estimate, Plan, plan
+from lightning_npu.planner.read import model_from_config
+from lightning_npu.planner.result import Estimate, Plan
+from lightning_npu.planner.search import plan
 from lightning_npu.planner.spec import (
     ACCOUNTINGS,
     ATTENTIONS,
@@ -24,7 +29,6 @@ from lightning_npu.planner.spec import (
     ClusterSpec,
     ModelSpec,
     PlannerError,
-    model_from_config,
 )
 
 PROG = "lightning-npu plan"
@@ -33,9 +37,10 @@ PROG = "lightning-npu plan"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Rank tensor x pipeline x data parallel x ZeRO layouts of a decoder-only transformer on a cluster "
-        "by estimated tokens/s, with memory per device by component, and print the LightningCLI strategy block of "
-        "the best one. Estimates, not measurements: see docs/planning.md for the models' assumptions.",
+        description="Rank tensor x pipeline x data parallel x ZeRO layouts of a decoder-only transformer (or each "
+        "tower's tp of a two-tower CLIP model: branch_layouts) on a cluster by estimated tokens/s, with memory per "
+        "device by component, and print the LightningCLI strategy block of the best one. Estimates, not "
+        "measurements: see docs/planning.md for the models' assumptions.",
     )
     m = p.add_argument_group("model (a LightningCLI config, or the sizes; sizes given override the config)")
     m.add_argument("--model", help="LightningCLI YAML whose model block gives the sizes, "
@@ -51,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mlp", choices=MLPS, help="gelu (GPT, 2 matrices) or swiglu (Llama, 3); default gelu")
     m.add_argument("--attention", choices=ATTENTIONS,
                    help="eager keeps the softmax probabilities for backward, flash does not (default flash)")
+    m.add_argument("--branch-compression", action="append", default=[], metavar="GLOB=MODE",
+                   help="a two-tower --model (a CLIP config.json or examples/clip's config): compress that tower's "
+                   "branch-dp gradient sum (bf16, int8, topk, onebit), e.g. model.text_model=onebit; repeatable")
     c = p.add_argument_group("cluster")
     c.add_argument("--devices", type=int, help="devices in all (required)")
     c.add_argument("--devices-per-node", type=int, default=8)
@@ -114,9 +122,24 @@ def _model(opts: argparse.Namespace) -> ModelSpec:
              "ffn": opts.ffn, "vocab": opts.vocab, "seq": opts.seq, "global_batch": opts.global_batch,
              "mlp": opts.mlp, "attention": opts.attention, "experts": opts.experts,
              "experts_per_token": opts.experts_per_token, "expert_ffn": opts.expert_ffn}
-    if opts.model:
-        return model_from_config(opts.model, **sizes)
-    return ModelSpec(**{k: v for k, v in sizes.items() if v is not None})
+    model = model_from_config(opts.model, **sizes) if opts.model else None
+    compression = _branch_compression(opts.branch_compression)
+    if isinstance(model, BranchedModel):
+        return model.with_compression(compression) if compression else model
+    if compression:
+        raise PlannerError(f"--branch-compression {opts.branch_compression[0]}: only a two-tower --model (a CLIP "
+                           "config.json or examples/clip/config.yaml) has branches; drop it.")
+    return model if model is not None else ModelSpec(**{k: v for k, v in sizes.items() if v is not None})
+
+
+def _branch_compression(values: list[str]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        glob, sep, mode = value.partition("=")
+        if not sep or not glob or not mode:
+            raise PlannerError(f"--branch-compression {value!r}: write GLOB=MODE, e.g. model.text_model=onebit.")
+        out[glob] = mode
+    return out
 
 
 def _cluster(opts: argparse.Namespace) -> ClusterSpec:
@@ -173,7 +196,7 @@ def strategy_block(result: Plan, best: Estimate) -> str:
         "    init_args:",
     ]
     for key, value in best.layout.strategy_init_args().items():
-        lines.append(f"      {key}: {json.dumps(value)}")
+        lines.append(f"      {key}: {json.dumps(value)}")  # JSON is YAML: a dict (branch_layouts) on one line
     lay = best.layout
     if lay.v > 2:  # the depth is the model's declaration, not a strategy argument
         lines.append(f"# model: pipeline_layout = PipelineLayout(virtual_stages={lay.v}) on the LightningModule")
@@ -189,6 +212,8 @@ def strategy_block(result: Plan, best: Estimate) -> str:
 def _table(result: Plan, top: int) -> str:
     shown = result.ranked[:top]
     unit, scale = memory_unit(max(e.memory.total for e in shown))
+    if isinstance(result.model, BranchedModel):
+        return branch_report.table(result, top, unit, scale)
     experts = bool(result.model.experts)  # an ep column for MoE models only
     context = any(e.layout.cp > 1 for e in shown)  # a cp column where a shown layout splits sequences
     head = ["#", "tp", "pp", "dp", *(["cp"] if context else []), *(["ep"] if experts else []), "zero", "M x b", "v",
@@ -256,7 +281,7 @@ def run(opts: argparse.Namespace) -> int:
                   schedule=opts.schedule, accounting=opts.accounting)
     if opts.json:
         print(json.dumps({
-            "model": {**model.__dict__, "params": model.num_params()},
+            "model": {**dataclasses.asdict(model), "params": model.num_params()},
             "cluster": cluster.__dict__, "precision": result.precision, "optimizer": result.optimizer,
             "accounting": result.accounting,
             "calibration": None if calibration is None else {
@@ -271,8 +296,10 @@ def run(opts: argparse.Namespace) -> int:
             "strategy_block": strategy_block(result, result.best) if result.best else None,
         }, indent=2))
         return 0 if result.best else 1
-    print(f"model: {human_count(model.num_params())} parameters ({model.layers} layers, hidden {model.hidden}, "
-          f"{model.heads} heads, seq {model.seq}, global batch {model.global_batch}); {cluster.devices} devices "
+    described = branch_report.describe_model(model, human_count) if isinstance(model, BranchedModel) else (
+        f"{human_count(model.num_params())} parameters ({model.layers} layers, hidden {model.hidden}, "
+        f"{model.heads} heads, seq {model.seq}, global batch {model.global_batch})")
+    print(f"model: {described}; {cluster.devices} devices "
           f"({cluster.devices_per_node} per node, {cluster.device_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s at "
           f"{cluster.gemm_efficiency:.3g} efficiency); {result.precision}, {result.optimizer}")
     if not result.best:
@@ -284,6 +311,8 @@ def run(opts: argparse.Namespace) -> int:
           f"by estimated tokens/s (memory per device of the stage that needs the most, in {unit}: "
           f"10^{9 if unit == 'GB' else 6} bytes):")
     print(_table(result, opts.top))
+    if result.best.branches:
+        print(branch_report.breakdown(result.best))
     if result.rejected:
         print("rejected:", *_rejections(result), sep="\n")
     print("\nLightningCLI config for the best layout:\n" + strategy_block(result, result.best))

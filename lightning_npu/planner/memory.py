@@ -117,15 +117,19 @@ def stage_layers(model: ModelSpec, pp: int) -> list[int]:
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
-    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp, its
-    experts split over ep x tp (`stage_expert_params`)."""
+    """Parameters one rank of `stage` holds before ZeRO: its blocks' matrices and vocabulary split over tp (the
+    row-parallel biases whole), its experts split over ep x tp (`stage_expert_params`)."""
     t = layout.tp
     n = stage_layers(model, layout.pp)[stage]
-    params = n * (model.layer_matrix_params() / t + 2 * model.norm_params()) + stage_expert_params(model, layout, stage)
+    whole = model.row_parallel_biases()  # a row-parallel layer adds its bias once, after the all-reduce: replicated
+    params = n * ((model.layer_matrix_params() - whole) / t + whole + 2 * model.norm_params())
+    params += stage_expert_params(model, layout, stage)
     if stage == 0:
         params += model.vocab * model.hidden / t + (model.seq * model.hidden if model.learned_positions else 0)
+        params += model.input_params
     if stage == layout.pp - 1:
-        params += (0 if model.tied_embeddings else model.vocab * model.hidden / t) + model.norm_params()
+        params += (0 if model.tied_embeddings or not model.lm_head else model.vocab * model.hidden / t)
+        params += model.norm_params()
     return params
 
 
@@ -174,7 +178,7 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, stage: int, act_byt
     if stage == 0:
         per_mb += 8  # token ids the embedding keeps
     if stage == layout.pp - 1:
-        per_mb += act_bytes * 2 * model.hidden + 4 * model.vocab / layout.tp + 8
+        per_mb += act_bytes * 2 * model.hidden + ((4 * model.vocab / layout.tp + 8) if model.lm_head else 0)
     total = in_flight * tokens * per_mb
     if layout.recompute == "full" and n:  # one block's full activations while it is recomputed
         total += tokens * layer_activation_bytes(model, layout, act_bytes, None)

@@ -4,11 +4,13 @@ per second."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from lightning_npu.planner.memory import GB, StageMemory, peak_memory
+from lightning_npu.planner.branch_search import plan_branched
+from lightning_npu.planner.branched import BranchedModel
+from lightning_npu.planner.memory import GB, peak_memory
+from lightning_npu.planner.read import model_from_config
+from lightning_npu.planner.result import Estimate, Plan
 from lightning_npu.planner.spec import (
     ACCOUNTINGS,
     OPTIMIZERS,
@@ -19,56 +21,9 @@ from lightning_npu.planner.spec import (
     Layout,
     ModelSpec,
     PlannerError,
-    model_from_config,
 )
-from lightning_npu.planner.timing import StepTime, step_time
+from lightning_npu.planner.timing import step_time
 from lightning_npu.validate import check_choice
-
-
-@dataclass(frozen=True)
-class Estimate:
-    layout: Layout
-    memory: StageMemory  # the stage that needs the most
-    time: StepTime
-    tokens_per_s: float
-
-    def to_dict(self, devices: int, peak_tflops: float) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage,
-                       "micro_batches": lay.micro_batches, "micro_batch_size": lay.micro_batch_size,
-                       "activation_checkpointing": lay.recompute, "sequence_parallel": lay.sequence_parallel,
-                       "pipeline_schedule": lay.schedule, "virtual_stages": lay.v,
-                       "expert_parallel_size": lay.ep, "context_parallel_size": lay.cp},
-            "memory_gb": self.memory.as_gb(),
-            "memory_stage": self.memory.stage,
-            "step_time_s": self.time.step_s,
-            "step_time_breakdown_s": {"compute": self.time.compute_s, "tensor_parallel": self.time.tp_comm_s,
-                                      "pipeline_bubble_p2p": self.time.pipeline_s,
-                                      "data_parallel_exposed": self.time.dp_comm_s},
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.time.tflops_per_device(devices),  # hardware FLOPs (recomputation included)
-            "model_tflops_per_device": self.time.model_tflops_per_device(devices),
-            "mfu": self.time.mfu(devices, peak_tflops),
-            "hfu": self.time.hfu(devices, peak_tflops),
-            "strategy": lay.strategy_init_args(),
-        }
-
-
-@dataclass
-class Plan:
-    model: ModelSpec
-    cluster: ClusterSpec
-    precision: str
-    optimizer: str
-    ranked: list[Estimate]
-    accounting: str = "lightning-npu"
-    rejected: Counter = field(default_factory=Counter)  # reason -> number of layouts
-    considered: int = 0
-
-    @property
-    def best(self) -> Optional[Estimate]:
-        return self.ranked[0] if self.ranked else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -155,7 +110,9 @@ def plan(
 ) -> Plan:
     """Rank every layout of `model` on `cluster` by estimated tokens/s.
 
-    `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config; `cluster` a
+    `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config, or a multi-branch
+    `BranchedModel` (CLIP's towers: ranked by `branch_search.plan_branched`, each tower at its own tp);
+    `cluster` a
     `ClusterSpec` or its fields. Searched: tp x pp x dp, the ZeRO stages, the micro-batch sizes (the divisors of the
     per-dp batch up to `max_micro_batch_size`, or `micro_batch_sizes`), the recomputation policies, sequence
     parallelism, under ``schedule="interleaved_1f1b"``, the interleave depth v (`virtual_stages`, default every
@@ -180,6 +137,22 @@ def plan(
         check_choice("recompute", r, RECOMPUTE, error=PlannerError)
     for z in zero_stages:
         check_choice("zero_stage", z, (0, 1, 2, 3), error=PlannerError)
+    if isinstance(model, BranchedModel):  # towers at their own tp (`branch_layouts`): `branch_search`
+        asked = (recompute != RECOMPUTE and any(recompute)) or (sequence_parallel != (False, True)
+                                                                and any(sequence_parallel))
+        if schedule != "1f1b" or context_parallel not in (None, (1,)) or asked:
+            raise PlannerError(
+                f"a multi-branch model with schedule={schedule!r}, context_parallel={context_parallel!r}, "
+                f"recompute={recompute!r} or sequence_parallel={sequence_parallel!r}: branch_layouts compose with "
+                "tensor and data parallelism only (no pp, cp, recomputation or sequence parallelism are searched); "
+                "leave those at their defaults.")
+        result = Plan(model, cluster, precision, optimizer, ranked=[], accounting=accounting)
+        plan_branched(model, cluster, precision=precision, optimizer=optimizer, zero_stages=zero_stages,
+                      micro_batch_sizes=micro_batch_sizes, max_micro_batch_size=max_micro_batch_size,
+                      accounting=accounting, result=result)
+        result.ranked.sort(key=lambda e: (-e.tokens_per_s, e.memory.total))
+        result.ranked = result.ranked[:top] if top is not None else result.ranked
+        return result
     usable = max_usable_devices(model, cluster)
     if cluster.devices > usable:
         raise PlannerError(

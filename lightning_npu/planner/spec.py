@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_npu.config_file import ConfigFileError, read_config
 from lightning_npu.validate import check_choice, check_number
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -59,10 +58,17 @@ class ModelSpec:
     experts: int = 0  # routed experts of every MoE layer (0: a dense MLP); each token goes to `experts_per_token`
     experts_per_token: int = 2
     expert_ffn: Optional[int] = None  # one expert's MLP width (default `ffn`)
+    # an encoder tower (CLIP's vision or text model): no output layer (no logits, no head FLOPs); `input_params` are
+    # its input parameters that tensor parallelism keeps whole (a patch projection, a class token, a pre-norm)
+    lm_head: bool = True
+    input_params: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "vocab", "seq", "global_batch"):
+        for name in ("layers", "hidden", "heads", "seq", "global_batch"):
             check_number(name, getattr(self, name), above=0, integral=True, example=8, error=PlannerError)
+        check_number("vocab", self.vocab, above=0 if self.lm_head else None, at_least=None if self.lm_head else 0,
+                     integral=True, example=32000, error=PlannerError)
+        check_number("input_params", self.input_params, at_least=0, integral=True, example=0, error=PlannerError)
         if self.ffn is not None:
             check_number("ffn", self.ffn, above=0, integral=True, example=8, error=PlannerError)
         if self.kv_heads is not None:
@@ -113,6 +119,11 @@ class ModelSpec:
             if self.bias else 0
         return attn + mlp + biases
 
+    def row_parallel_biases(self) -> int:
+        """Bias elements of a block's row-parallel layers (the attention output, the dense MLP's down projection):
+        tensor parallelism keeps them whole on every rank."""
+        return (self.hidden + (0 if self.experts else self.hidden)) if self.bias else 0
+
     def _mlp_params(self, width: int) -> int:
         return (3 if self.mlp == "swiglu" else 2) * self.hidden * width
 
@@ -137,10 +148,10 @@ class ModelSpec:
         return self.layer_matrix_params() + self.layer_expert_params() + 2 * self.norm_params()
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0)
+        return self.vocab * self.hidden + (self.seq * self.hidden if self.learned_positions else 0) + self.input_params
 
     def head_params(self) -> int:
-        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.norm_params()
+        return (0 if self.tied_embeddings or not self.lm_head else self.vocab * self.hidden) + self.norm_params()
 
     def num_params(self) -> int:
         return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
@@ -192,10 +203,28 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
+class BranchChoice:
+    """One tower's layout inside each top-level tp group (the strategy's ``branch_layouts`` entry): its own tp size,
+    the rest of the group as its branch dp, and the compression of its branch-dp gradient sum (the user's, not
+    searched: it changes the numerics)."""
+
+    glob: str
+    tp: int
+    compression: Any = None  # as `branch_layouts[glob]["gradient_compression"]` takes it
+
+    def strategy_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"tensor_parallel_size": self.tp}
+        if self.compression is not None:
+            entry["gradient_compression"] = self.compression
+        return entry
+
+
+@dataclass(frozen=True)
 class Layout:
     """One candidate: tp x pp x dp ranks, a ZeRO stage, `micro_batches` per step per dp rank of
     `micro_batch_size` sequences, activation recomputation and sequence parallelism; under interleaved 1F1B,
-    `virtual_stages` (v) model chunks per rank (None: the strategy's default, 2)."""
+    `virtual_stages` (v) model chunks per rank (None: the strategy's default, 2). `branches`: every tower's
+    `BranchChoice` for a multi-branch model (`planner.branched`), tp then being the largest of theirs."""
 
     tp: int
     pp: int
@@ -209,6 +238,7 @@ class Layout:
     virtual_stages: Optional[int] = None
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the dp ranks
     cp: int = 1  # context parallelism: each sequence split over cp ranks (between dp and tp in the mesh)
+    branches: tuple[BranchChoice, ...] = ()
 
     @property
     def replicas(self) -> int:
@@ -239,6 +269,9 @@ class Layout:
             parts.append("sp")
         if self.recompute:
             parts.append(f"ac-{self.recompute}")
+        for b in self.branches:
+            compressed = b.compression is not None and b.tp < self.tp
+            parts.append(f"{b.glob.rsplit('.', 1)[-1]}:tp{b.tp}" + (f"+{_mode(b.compression)}" if compressed else ""))
         return " ".join(parts)
 
     def strategy_init_args(self) -> dict[str, Any]:
@@ -260,7 +293,15 @@ class Layout:
             args["sequence_parallel"] = True
         if self.recompute:
             args["activation_checkpointing"] = self.recompute
+        if self.branches:  # a tower at the top-level tp has no branch dp: no entry (and nothing to compress)
+            entries = {b.glob: b.strategy_entry() for b in self.branches if b.tp < self.tp}
+            if entries:
+                args["branch_layouts"] = entries
         return args
+
+
+def _mode(compression: Any) -> str:
+    return str(compression.get("mode")) if isinstance(compression, dict) else str(compression)
 
 
 # ---- a model from a LightningCLI config ------------------------------------------------------
@@ -321,20 +362,10 @@ def _from_hf_config(path: Path, config: dict, overrides: dict[str, Any]) -> Mode
         raise PlannerError(f"{path}: {err}") from None
 
 
-def model_from_config(path: str | Path, **overrides: Any) -> ModelSpec:
+def decoder_from_config(path: Path, config: dict, **overrides: Any) -> ModelSpec:
     """A `ModelSpec` from the ``model:`` block of a LightningCLI YAML config (``data.init_args.block_size`` and
     ``batch_size`` x devices give seq and global batch unless `overrides` set them), or from a `transformers`
-    ``config.json``."""
-    path = Path(path)
-    if not path.is_file():
-        raise PlannerError(
-            f"`--model {path}`: no such file; pass a LightningCLI config such as examples/gpt/config.yaml, or a "
-            "transformers config.json."
-        )
-    try:
-        config = read_config(path)
-    except ConfigFileError as err:
-        raise PlannerError(f"--model {err}") from None
+    ``config.json``; `config` is the file `path` read (`planner.read.model_from_config` reads it)."""
     if _is_hf_config(config):
         return _from_hf_config(path, config, overrides)
     model = config.get("model") or {}

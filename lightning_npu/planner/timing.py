@@ -44,6 +44,7 @@ class StepTime:
     step_s: float
     flops_per_step: float  # hardware FLOPs: recomputation included, as Megatron's 96 B s l h^2 (...) counts them
     model_flops_per_step: float = 0.0  # 6 N tokens + attention, recomputation not included
+    branch_comm_s: float = 0.0  # multi-branch layouts: the towers' output gathers and branch-dp gradient sums
 
     def tflops_per_device(self, devices: int) -> float:
         """Hardware TFLOP/s per device (what Narayanan et al. 2021 report)."""
@@ -65,7 +66,7 @@ def flops_per_token(model: ModelSpec, recompute: str | None) -> tuple[float, flo
     FLOPs. Selective recomputation replays no matmul, so it counts as None here."""
     r = 1 if recompute == "full" else 0
     block = (6 + 2 * r) * model.layer_active_params() + (12 + 4 * r) * model.hidden * model.seq
-    return block, 6 * model.vocab * model.hidden
+    return block, (6 * model.vocab * model.hidden if model.lm_head else 0)
 
 
 def model_flops_per_token(model: ModelSpec) -> float:
