@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lightning_npu.planner import ClusterSpec, Layout, PlannerError, model_from_config, plan
-from lightning_npu.planner.branch_cost import branch_costs, branched_memory, branched_step_time
-from lightning_npu.planner.branched import BranchedModel, clip_model
+from lightning_npu.planner.branches.cost import branch_costs, branched_memory, branched_step_time
+from lightning_npu.planner.branches.model import BranchedModel, clip_model
 from lightning_npu.planner.cli import main as plan_main
 from lightning_npu.planner.spec import BranchChoice
 

@@ -1,10 +1,10 @@
 """Plan a layout before launching: memory per rank and step time of every tp x pp x dp x ZeRO layout of a
 decoder-only transformer on a cluster (or of each tower of a multi-branch model such as CLIP at its own tp:
-`branched`), ranked by estimated tokens/s (`plan`), and the model-state bytes of one ZeRO stage
+`branches`), ranked by estimated tokens/s (`plan`), and the model-state bytes of one ZeRO stage
 (`model_state_bytes`). Pure arithmetic on the sizes; see docs/planning.md for the models' assumptions and their
 validation against published runs and our own."""
 
-from lightning_npu.planner.branched import BranchedModel, Tower, clip_model
+from lightning_npu.planner.branches.model import BranchedModel, Tower, clip_model
 from lightning_npu.planner.memory import GB, PRECISION_BYTES, memory_by_stage, model_state_bytes, round_gb
 from lightning_npu.planner.read import model_from_config
 from lightning_npu.planner.result import Estimate, Plan

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_npu.config_file import ConfigFileError, read_config
-from lightning_npu.planner.branch_cost import branch_costs, branched_memory, branched_step_time
-from lightning_npu.planner.branched import BranchedModel
+from lightning_npu.planner.branches.cost import branch_costs, branched_memory, branched_step_time
+from lightning_npu.planner.branches.model import BranchedModel
 from lightning_npu.planner.memory import StageMemory, memory_by_stage
 from lightning_npu.planner.read import model_from_config
 from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError
@@ -34,7 +34,7 @@ _COUNTED = ("parameters", "gradients", "optimizer_state", "activations_peak")
 @dataclass(frozen=True)
 class Calibration:
     run_dir: Path
-    model: Any  # a ModelSpec or a planner.branched.BranchedModel
+    model: Any  # a ModelSpec or a planner.branches.model.BranchedModel
     layout: Layout
     precision: str
     measured_step_s: float

@@ -13,8 +13,8 @@ import json
 import sys
 from typing import Any, Optional
 
-from lightning_npu.planner import branch_report
-from lightning_npu.planner.branched import BranchedModel
+from lightning_npu.planner.branches import report as branch_report
+from lightning_npu.planner.branches.model import BranchedModel
 from lightning_npu.planner.calibrate import calibrate, summary
 from lightning_npu.planner.memory import GB, OPTIMIZER_BYTES, PRECISION_BYTES, model_state_bytes, round_gb
 from lightning_npu.planner.read import model_from_config

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from lightning_npu.config_file import ConfigFileError, read_config
-from lightning_npu.planner.branched import BranchedModel, branched_from_config, is_branched_config
+from lightning_npu.planner.branches.model import BranchedModel, branched_from_config, is_branched_config
 from lightning_npu.planner.spec import ModelSpec, PlannerError, decoder_from_config
 
 

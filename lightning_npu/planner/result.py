@@ -18,7 +18,7 @@ class Estimate:
     memory: StageMemory  # the stage that needs the most
     time: StepTime
     tokens_per_s: float
-    branches: tuple = ()  # a multi-branch layout's per-tower `branch_cost.BranchCost`s
+    branches: tuple = ()  # a multi-branch layout's per-tower `branches.cost.BranchCost`s
 
     def to_dict(self, devices: int, peak_tflops: float) -> dict[str, Any]:
         lay = self.layout
@@ -49,7 +49,7 @@ class Estimate:
 
 @dataclass
 class Plan:
-    model: Any  # a ModelSpec, or a planner.branched.BranchedModel
+    model: Any  # a ModelSpec, or a planner.branches.model.BranchedModel
     cluster: ClusterSpec
     precision: str
     optimizer: str

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_npu.planner.branch_search import plan_branched
-from lightning_npu.planner.branched import BranchedModel
+from lightning_npu.planner.branches.search import plan_branched
+from lightning_npu.planner.branches.model import BranchedModel
 from lightning_npu.planner.memory import GB, peak_memory
 from lightning_npu.planner.read import model_from_config
 from lightning_npu.planner.result import Estimate, Plan
@@ -111,7 +111,7 @@ def plan(
     """Rank every layout of `model` on `cluster` by estimated tokens/s.
 
     `model` is a `ModelSpec`, its fields as a dict, or the path of a LightningCLI config, or a multi-branch
-    `BranchedModel` (CLIP's towers: ranked by `branch_search.plan_branched`, each tower at its own tp);
+    `BranchedModel` (CLIP's towers: ranked by `branches.search.plan_branched`, each tower at its own tp);
     `cluster` a
     `ClusterSpec` or its fields. Searched: tp x pp x dp, the ZeRO stages, the micro-batch sizes (the divisors of the
     per-dp batch up to `max_micro_batch_size`, or `micro_batch_sizes`), the recomputation policies, sequence
@@ -137,7 +137,7 @@ def plan(
         check_choice("recompute", r, RECOMPUTE, error=PlannerError)
     for z in zero_stages:
         check_choice("zero_stage", z, (0, 1, 2, 3), error=PlannerError)
-    if isinstance(model, BranchedModel):  # towers at their own tp (`branch_layouts`): `branch_search`
+    if isinstance(model, BranchedModel):  # towers at their own tp (`branch_layouts`): `branches.search`
         asked = (recompute != RECOMPUTE and any(recompute)) or (sequence_parallel != (False, True)
                                                                 and any(sequence_parallel))
         if schedule != "1f1b" or context_parallel not in (None, (1,)) or asked:

@@ -224,7 +224,7 @@ class Layout:
     """One candidate: tp x pp x dp ranks, a ZeRO stage, `micro_batches` per step per dp rank of
     `micro_batch_size` sequences, activation recomputation and sequence parallelism; under interleaved 1F1B,
     `virtual_stages` (v) model chunks per rank (None: the strategy's default, 2). `branches`: every tower's
-    `BranchChoice` for a multi-branch model (`planner.branched`), tp then being the largest of theirs."""
+    `BranchChoice` for a multi-branch model (`planner.branches`), tp then being the largest of theirs."""
 
     tp: int
     pp: int

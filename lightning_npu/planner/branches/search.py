@@ -11,8 +11,8 @@ from __future__ import annotations
 from itertools import product
 from typing import Optional
 
-from lightning_npu.planner.branch_cost import branch_costs, branched_memory, branched_step_time
-from lightning_npu.planner.branched import BranchedModel
+from lightning_npu.planner.branches.cost import branch_costs, branched_memory, branched_step_time
+from lightning_npu.planner.branches.model import BranchedModel
 from lightning_npu.planner.memory import GB
 from lightning_npu.planner.result import Estimate, Plan
 from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_npu.planner.branched import BranchedModel, Tower, compression_spec
+from lightning_npu.planner.branches.model import BranchedModel, Tower, compression_spec
 from lightning_npu.planner.memory import (
     PRECISION_BYTES,
     StageMemory,
