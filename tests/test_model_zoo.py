@@ -181,8 +181,13 @@ def test_layouts_are_what_they_say(zoo):
     sp = zoo["tp2-sp"][0]["llama"]["report"]
     assert "model.model.layers.0: shard_seq" in sp and "model.model.layers.1: gather_seq_output" in sp
     assert "model.model.layers.0.input_layernorm: norm" in sp
+    # DeepSeek-V3's attention follows the model's plan (heads split, its input gathered); the router sees shards
     ds = zoo["tp2-sp"][0]["deepseek-v3"]["report"]
-    assert "model.model.layers.1.self_attn: full_sequence" in ds and "layers.1.mlp.gate: replicate_sum_grad" in ds
+    assert "model.model.layers.1.self_attn: gather_seq" in ds and "layers.1.mlp.gate: replicate_sum_grad" in ds
+    assert "layers.1.self_attn.kv_a_proj_with_mqa: shared_rope_key" in ds
+    # a block's part the plan leaves whole runs on the gathered sequence
+    whole = zoo["tp2-sp"][0]["mixtral (experts replicated)"]["report"]
+    assert "model.model.layers.0.mlp: full_sequence" in whole, whole
     # expert tensor parallelism (transformers' moe_tp_experts): each tp rank holds half of every expert; expert
     # parallelism: each ep rank half of the experts
     for name in MOE:
