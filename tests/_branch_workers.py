@@ -63,7 +63,18 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
-            "report": str(trainer.strategy.tp_report)}
+            "report": str(trainer.strategy.tp_report), "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
+
+
+def held(module: torch.nn.Module) -> dict[str, float]:
+    """How a tower is stored on this rank: the share of its parameters that are FSDP2 shards over the branch's
+    ``fdp`` ranks, and the elements this rank holds of them over their full count."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(module.parameters())
+    over_fdp = [p for p in params if isinstance(p, DTensor) and "fdp" in (p.device_mesh.mesh_dim_names or ())]
+    return {"fdp": len(over_fdp) / len(params),
+            "local": sum(p.to_local().numel() for p in over_fdp) / max(1, sum(p.numel() for p in over_fdp))}
 
 
 def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:

@@ -21,6 +21,10 @@ LOSS_RTOL, STATE_ATOL = 1e-5, 1e-5
 TEXT1 = {"tensor_parallel_size": 2, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 1}}}
 ONEBIT = {**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "gradient_compression": "onebit"}}}
 LONG = dict(steps=15, samples=12)  # 5 epochs of 3 steps
+# each tower's own ZeRO-3 (FSDP2 over its dp ranks; vision 2-D with its tp=2), the rest of the model at ZeRO 0
+ZERO3 = {"tensor_parallel_size": 2, "zero_stage": 0,
+         "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 3},
+                            VISION: {"tensor_parallel_size": 2, "zero_stage": 3}}}
 
 TWO = {
     "save": BranchCase(TEXT1, steps=2, save="two"),
@@ -31,6 +35,11 @@ TWO = {
     "onebit resume": BranchCase(ONEBIT, resume="onebit", **LONG),
     "uncompressed": BranchCase(TEXT1, **LONG),
     "batch of 3": BranchCase(TEXT1, steps=1, batch=3, samples=3),
+    "zero3 save": BranchCase(ZERO3, steps=2, save="zero3"),
+    "zero3 resume": BranchCase(ZERO3, steps=3, resume="zero3"),
+    "zero3 resume without branches": BranchCase({"tensor_parallel_size": 2, "zero_stage": 0}, steps=3, resume="zero3"),
+    "top zero 3, text zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 3,
+                                           "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}}),
 }
 TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
 FOUR = {
@@ -38,6 +47,13 @@ FOUR = {
     "dp2 x tp2, text tp1, zero 0": BranchCase(TEXT1),
     "dp2 x tp2, text tp1, zero 1": BranchCase({**TEXT1, "zero_stage": 1}),
     "resume at vision tp4, text tp2": BranchCase(TP4, steps=3, resume="two"),
+    # fdp = dp 2 x bdp 2: the reduce-scatter sums over 4 ranks and divides by the top-level dp (2) only
+    "dp2 x tp2, text tp1 zero 3": BranchCase({**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1,
+                                                                                  "zero_stage": 3}}}),
+    "top zero 3, vision tp4, text tp2 zero 3": BranchCase({**TP4, "zero_stage": 3, "branch_layouts": {
+        TEXT: {"tensor_parallel_size": 2, "zero_stage": 3}}}),
+    "resume zero3 at dp2 x tp2, top zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 2, "branch_layouts": {
+        TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}}, steps=3, resume="zero3"),
 }
 
 
@@ -63,6 +79,22 @@ def test_two_processes_vision_tp2_text_tp1_exact_and_resumes(runs):
         assert _exact(diff), (name, diff)
     # the top-level plan skips the text tower (its tp is the branch's)
     assert "vision_model" in rank0["save"]["report"] and "text_model" not in rank0["save"]["report"]
+
+
+def test_branch_zero3_and_top_zero3_two_processes_exact_and_reshard(runs):
+    ref, (rank0, rank1) = runs["ref"], runs["two"]
+    saved = rank0["zero3 save"]
+    assert saved["logged"] == rank1["zero3 save"]["logged"]
+    assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
+    # the text tower (tp 1, 2 branch-dp ranks) is stored as FSDP2 halves; vision's fdp is 1 rank (its tp is 2)
+    assert saved["held"][TEXT]["fdp"] == 1.0 and saved["held"][TEXT]["local"] == pytest.approx(0.5, abs=0.01)
+    assert saved["held"][VISION]["fdp"] == 1.0
+    for name in ("zero3 resume", "zero3 resume without branches"):
+        diff = compare(ref, rank0[name], slice(2, 3))
+        assert _exact(diff), (name, diff)
+    assert rank0["zero3 resume without branches"]["held"][TEXT]["fdp"] == 0.0
+    diff = compare(ref, rank0["top zero 3, text zero 2"])
+    assert _exact(diff), diff
 
 
 def test_four_processes(runs):
@@ -95,7 +127,10 @@ def test_batch_not_divisible_by_branch_dp_is_refused(runs):
 
 
 @pytest.mark.parametrize("value, message", [
-    ({TEXT: {"zero_stage": 1}}, r"'zero_stage'\]=1: a branch's own ZeRO stages \(1-3\) are not built"),
+    ({TEXT: {"zero_stage": 1}}, r"'zero_stage'\]=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 0"),
+    ({TEXT: {"zero_stage": 4}}, r"'zero_stage'\]=4 must be 0, 2 or 3"),
+    ({TEXT: {"zero_stage": 3, "gradient_compression": "onebit"}},
+     r"'gradient_compression' with 'zero_stage': 3 is not built yet"),
     ({TEXT: {"tensor_parallel_size": 3}}, r"\['tensor_parallel_size'\]=3` does not divide `tensor_parallel_size=4`"),
     ({TEXT: {"tp": 2}}, r"unknown options \['tp'\]"),
     ({TEXT: {"gradient_compression": {"mode": "onebit", "warmup_steps": 2, "frozen_variance": True}}},
@@ -111,12 +146,20 @@ def test_bad_branch_options_are_refused(value, message):
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"expert_parallel_size": 2, "zero_stage": 0}, "expert_parallel_size=2"),
     ({"sequence_parallel": True}, "sequence_parallel=True"),
-    ({"zero_stage": 3}, "zero_stage=3"),
     ({"context_parallel_size": 2}, "context_parallel_size=2"),
 ])
 def test_branches_with_layouts_not_built_are_refused(kwargs, arg):
     with pytest.raises(ParallelConfigError, match=f"`branch_layouts` with `{arg}` is not built yet"):
         NPUHybridStrategy(**{"tensor_parallel_size": 2, **kwargs}, branch_layouts={TEXT: {}})
+
+
+@pytest.mark.parametrize("top, branch, message", [
+    (3, 0, r"\['zero_stage'\]=0` with the top-level `zero_stage=3` is not built yet.*set the branch's 'zero_stage' to 2 or 3"),
+    (1, 3, r"\['zero_stage'\]=3` with the top-level `zero_stage=1` is not built yet: use the top-level zero_stage 0, 2"),
+])
+def test_branch_and_top_level_zero_stages_not_built_are_refused(top, branch, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        NPUHybridStrategy(tensor_parallel_size=2, zero_stage=top, branch_layouts={TEXT: {"zero_stage": branch}})
 
 
 def test_globs_matching_nothing_or_overlapping_and_heads_are_refused():
