@@ -30,6 +30,7 @@ class BranchCase:
     save: Optional[str] = None  # save a checkpoint here after the steps (a file name under the launch's directory)
     resume: Optional[str] = None  # resume from this checkpoint (same), up to `steps`
     samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
+    accumulate: int = 1  # accumulate_grad_batches (batches per optimizer step)
 
 
 class BranchBytes(L.Callback):
@@ -53,6 +54,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
+        accumulate_grad_batches=case.accumulate,
     )
     loader = DataLoader(ZooData("clip", case.samples), batch_size=case.batch // dp, shuffle=False)
     ckpt = os.path.join(directory, case.resume) if case.resume else None

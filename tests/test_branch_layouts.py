@@ -40,6 +40,7 @@ TWO = {
     "zero3 resume without branches": BranchCase({"tensor_parallel_size": 2, "zero_stage": 0}, steps=3, resume="zero3"),
     "top zero 3, text zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 3,
                                            "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}}),
+    "zero3 accumulate 2": BranchCase(ZERO3, accumulate=2),  # the branches' reduce-scatter off while accumulating
 }
 TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
 FOUR = {
@@ -60,10 +61,11 @@ FOUR = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("branches"))
-    reference = spawn(run_cases, 1, {"ref": BranchCase({"zero_stage": 0})}, directory)[0]["ref"]
+    reference = spawn(run_cases, 1, {"ref": BranchCase({"zero_stage": 0}),
+                                     "ref accumulate 2": BranchCase({"zero_stage": 0}, accumulate=2)}, directory)[0]
     two = spawn(run_cases, 2, TWO, directory)
     four = spawn(run_cases, 4, FOUR, directory)[0]
-    return {"ref": reference, "two": two, "four": four}
+    return {"ref": reference["ref"], "ref accumulate 2": reference["ref accumulate 2"], "two": two, "four": four}
 
 
 def _exact(diff: dict) -> bool:
@@ -94,6 +96,8 @@ def test_branch_zero3_and_top_zero3_two_processes_exact_and_reshard(runs):
         assert _exact(diff), (name, diff)
     assert rank0["zero3 resume without branches"]["held"][TEXT]["fdp"] == 0.0
     diff = compare(ref, rank0["top zero 3, text zero 2"])
+    assert _exact(diff), diff
+    diff = compare(runs["ref accumulate 2"], rank0["zero3 accumulate 2"])
     assert _exact(diff), diff
 
 
