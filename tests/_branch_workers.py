@@ -65,7 +65,8 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
-            "report": str(trainer.strategy.tp_report), "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
+            "report": str(trainer.strategy.tp_report),
+            "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
 
 
 def held(module: torch.nn.Module) -> dict[str, float]:

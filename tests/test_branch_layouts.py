@@ -158,8 +158,10 @@ def test_branches_with_layouts_not_built_are_refused(kwargs, arg):
 
 
 @pytest.mark.parametrize("top, branch, message", [
-    (3, 0, r"\['zero_stage'\]=0` with the top-level `zero_stage=3` is not built yet.*set the branch's 'zero_stage' to 2 or 3"),
-    (1, 3, r"\['zero_stage'\]=3` with the top-level `zero_stage=1` is not built yet: use the top-level zero_stage 0, 2"),
+    (3, 0, r"\['zero_stage'\]=0` with the top-level `zero_stage=3` is not built yet.*"
+           r"set the branch's 'zero_stage' to 2 or 3"),
+    (1, 3, r"\['zero_stage'\]=3` with the top-level `zero_stage=1` is not built yet: "
+           r"use the top-level zero_stage 0, 2"),
 ])
 def test_branch_and_top_level_zero_stages_not_built_are_refused(top, branch, message):
     with pytest.raises(ParallelConfigError, match=message):

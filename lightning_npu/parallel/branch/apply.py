@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_npu.parallel.collectives import all_gather_into
-from lightning_npu.parallel.data_parallel.sync import GradientSync
+from lightning_npu.parallel.data_parallel import wrap
+from lightning_npu.parallel.data_parallel.sync import GradientSync, fsdp_modules
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel import plan as tp
@@ -152,8 +153,6 @@ def fully_sharded_names(model: nn.Module) -> list[str]:
 
 def fully_sharded_units(model: nn.Module) -> list[nn.Module]:
     """The FSDP2 units of the ZeRO-2/3 branches (accumulating micro-steps switch their reduce-scatter off)."""
-    from lightning_npu.parallel.data_parallel.sync import fsdp_modules
-
     return [u for _, module, shard in applied_branches(model) if fully_sharded(shard.layout)
             for u in fsdp_modules(module)]
 
@@ -173,8 +172,6 @@ def shard_branches(model: nn.Module, param_dtype: Optional[torch.dtype]) -> None
     parameters stay whole (the bdp sum and the top level reduce them). Its reduce-scatter sums over every rank of
     fdp and divides by the top-level dp size. Collective; once (a later validate/test finds the units)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    from lightning_npu.parallel.data_parallel import wrap
 
     for name, module, shard in applied_branches(model):
         if not fully_sharded(shard.layout) or isinstance(module, FSDPModule):

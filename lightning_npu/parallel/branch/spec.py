@@ -98,8 +98,8 @@ def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
         if cfg.zero_stage in (2, 3) and b.zero_stage not in (2, 3):
             # FSDP2 at the top level would shard the branch's plain local tp shards, summed over bdp only afterwards
             raise ParallelConfigError(
-                f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level ZeRO 2/3 "
-                f"a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
+                f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level "
+                "ZeRO 2/3 a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
         if cfg.zero_stage == 1 and b.zero_stage in (2, 3):
             # ZeRO-1's buckets would reduce the branch's FSDP2 shards over dp a second time
             raise ParallelConfigError(
