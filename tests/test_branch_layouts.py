@@ -7,6 +7,8 @@ state 1.2e-7. A mean instead of the sum over branch dp, or the ZeRO-1 hook off, 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lightning_npu import NPUHybridStrategy
@@ -41,6 +43,10 @@ TWO = {
     "top zero 3, text zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 3,
                                            "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}}),
     "zero3 accumulate 2": BranchCase(ZERO3, accumulate=2),  # the branches' reduce-scatter off while accumulating
+    # tp 1 at dp 2: one file would be the default without the branch's ZeRO-3; it saves the sharded directory
+    "dp2, text zero 3 save": BranchCase({"zero_stage": 0, "branch_layouts": {TEXT: {"zero_stage": 3}}}, steps=2,
+                                        save="zero3 dp2"),
+    "dp2, text zero 3 resume without branches": BranchCase({"zero_stage": 0}, steps=3, resume="zero3 dp2"),
 }
 TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
 FOUR = {
@@ -65,7 +71,8 @@ def runs(tmp_path_factory) -> dict:
                                      "ref accumulate 2": BranchCase({"zero_stage": 0}, accumulate=2)}, directory)[0]
     two = spawn(run_cases, 2, TWO, directory)
     four = spawn(run_cases, 4, FOUR, directory)[0]
-    return {"ref": reference["ref"], "ref accumulate 2": reference["ref accumulate 2"], "two": two, "four": four}
+    return {"ref": reference["ref"], "ref accumulate 2": reference["ref accumulate 2"], "two": two, "four": four,
+            "directory": directory}
 
 
 def _exact(diff: dict) -> bool:
@@ -98,6 +105,11 @@ def test_branch_zero3_and_top_zero3_two_processes_exact_and_reshard(runs):
     diff = compare(ref, rank0["top zero 3, text zero 2"])
     assert _exact(diff), diff
     diff = compare(runs["ref accumulate 2"], rank0["zero3 accumulate 2"])
+    assert _exact(diff), diff
+    assert os.path.isdir(os.path.join(runs["directory"], "zero3 dp2"))
+    saved = rank0["dp2, text zero 3 save"]
+    assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
+    diff = compare(ref, rank0["dp2, text zero 3 resume without branches"], slice(2, 3))
     assert _exact(diff), diff
 
 
