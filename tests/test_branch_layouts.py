@@ -3,6 +3,10 @@
 EXACT (fp32, every step clipped by the global norm, AdamW lr 1e-3): each logged loss within rtol 1e-5 and the final
 full state within 1e-5 (absolute) of one process reading the same samples. Measured on 2 CPU processes: loss 2.2e-7,
 state 1.2e-7. A mean instead of the sum over branch dp, or the ZeRO-1 hook off, fails them by orders of magnitude.
+
+A branch's own ZeRO 2/3 (FSDP2 over dp x branch dp, divided by the top-level dp): loss within 4.4e-7, state 1.2e-7
+at 2 and 4 processes, at a top-level ZeRO 0, 2 or 3, and across save/resume/reshard. FSDP2's default average over
+those ranks fails them (loss 3.0e-3, state 4.4e-4), and so does no division at dp = 2 (loss 4.5e-3, state 5.1e-4).
 """
 
 from __future__ import annotations
