@@ -38,8 +38,11 @@ class BranchBytes(L.Callback):
 
     sent: Optional[int] = None
 
+    compressed: Optional[int] = None  # what the compressor sent (a ZeRO-2/3 branch's compressed reduce-scatters too)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.sent = getattr(trainer.strategy._grad_sync, "sent_bytes", None)
+        self.compressed = getattr(trainer.strategy._grad_sync.compressor, "sent_bytes", None)
 
 
 def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
@@ -65,6 +68,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
+            "compressed_bytes": sent.compressed,
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
 

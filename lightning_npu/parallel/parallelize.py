@@ -144,14 +144,19 @@ def apply_branch_sync(model: nn.Module, sync: gs.GradientSync, cfg: ParallelConf
     hook under ZeRO-1 at dp > 1 (before the optimizer's reduce-scatter, whose hooks come later), else after `sync`."""
     groups = branch.branch_parameters(model)
     fsdp = branch.fully_sharded_units(model)
-    if not groups and (not fsdp or cfg.zero_stage in (2, 3)):  # the top level's FSDP2 sync already covers them
+    specs = [s.layout.compression for s, _ in groups if s.layout.compression is not None] + [
+        s.layout.compression for _, _, s in branch.applied_branches(model)
+        if branch.fully_sharded(s.layout) and s.layout.compression is not None]
+    if not groups and not specs and (not fsdp or cfg.zero_stage in (2, 3)):  # the top level's FSDP2 sync covers them
         return sync
     compressor = None
-    specs = [s.layout.compression for s, _ in groups if s.layout.compression is not None]
     if specs and sync.compressor is None:
         compressor = Compressor(specs[0])
         compressor.resolve(model.named_parameters())
-        compressor.world = groups[0][0].bdp  # its state (residuals) belongs to the bdp group (checkpoints)
+        # its state (residuals) belongs to the bdp group (checkpoints), or to fdp under a branch's ZeRO 2/3
+        compressor.world = groups[0][0].bdp if groups else next(  # (the last group it sums over in a step)
+            s.mesh["outer"].size() * s.bdp for _, _, s in branch.applied_branches(model) if s.layout.compression)
+    branch.compress_fully_sharded(model, compressor or sync.compressor)
     return branch.BranchGradientSync(sync, groups, compressor, from_hooks=cfg.uses_distributed_optimizer,
                                      fsdp_units=[] if cfg.zero_stage in (2, 3) else fsdp)
 

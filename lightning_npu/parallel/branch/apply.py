@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel import wrap
-from lightning_npu.parallel.data_parallel.sync import GradientSync, fsdp_modules
+from lightning_npu.parallel.data_parallel.sync import GradientSync, fsdp_modules, fsdp_reduce_scatter
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel import plan as tp
@@ -188,6 +188,25 @@ def shard_branches(model: nn.Module, param_dtype: Optional[torch.dtype]) -> None
             unit.set_gradient_divide_factor(float(dp))  # FSDP2's own path where fdp = 1 (no reduce-scatter runs)
             module_state(unit).gradient_divisor = dp
         wrap.route_reduce_scatter(module)
+
+
+def compress_fully_sharded(model: nn.Module, compressor: Any) -> bool:
+    """Each ZeRO-2/3 branch with a `gradient_compression` reduce-scatters through `compressor` (a compressed sum
+    over fdp of which each rank keeps its chunk; one residual per FSDP2 unit). Returns whether any does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = False
+    for name, module, shard in applied_branches(model):
+        spec = shard.layout.compression
+        if not fully_sharded(shard.layout) or spec is None:
+            continue
+        dp = shard.mesh["outer"].size()
+        for sub_name, unit in module.named_modules():
+            if isinstance(unit, FSDPModule):
+                key = f"branch:{name}.{sub_name}" if sub_name else f"branch:{name}"
+                unit.set_custom_reduce_scatter(fsdp_reduce_scatter(dp, compressor, spec, key))
+                found = True
+    return found
 
 
 # ---- the batch split: slice at the input, all-gather at the output ------------------------------------------

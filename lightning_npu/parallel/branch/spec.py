@@ -69,9 +69,6 @@ def parse_branch_layouts(value: Any) -> list[BranchLayout]:
         if isinstance(spec, dict):
             raise ParallelConfigError(f"{where}['gradient_compression']={raw!r}: one mode or options dict for the "
                                       "whole branch (module globs are the top-level gradient_compression's).")
-        if spec is not None and zero in (2, 3):
-            raise ParallelConfigError(f"{where}: 'gradient_compression' with 'zero_stage': {zero} is not built yet "
-                                      "(FSDP2 reduce-scatters the branch uncompressed); drop one of them.")
         if spec is not None and spec.frozen_variance:
             raise ParallelConfigError(f"{where}['gradient_compression']: frozen_variance=True (1-bit Adam) on a branch "
                                       "is not built yet; use frozen_variance=False (onebit with error feedback).")
