@@ -52,6 +52,8 @@ TWO = {
     "top zero 3, text zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 3,
                                            "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}}),
     "zero3 accumulate 2": BranchCase(ZERO3, accumulate=2),  # the branches' reduce-scatter off while accumulating
+    "both towers tp1 zero 3": BranchCase({**ZERO3, "branch_layouts": {  # one branch mesh, flattened once
+        "model.*_model": {"tensor_parallel_size": 1, "zero_stage": 3}}}),
     # tp 1 at dp 2: one file would be the default without the branch's ZeRO-3; it saves the sharded directory
     "dp2, text zero 3 save": BranchCase({"zero_stage": 0, "branch_layouts": {TEXT: {"zero_stage": 3}}}, steps=2,
                                         save="zero3 dp2"),
@@ -115,6 +117,9 @@ def test_branch_zero3_and_top_zero3_two_processes_exact_and_reshard(runs):
     assert _exact(diff), diff
     diff = compare(runs["ref accumulate 2"], rank0["zero3 accumulate 2"])
     assert _exact(diff), diff
+    both = rank0["both towers tp1 zero 3"]
+    assert _exact(compare(ref, both)), compare(ref, both)
+    assert both["held"][VISION]["local"] == pytest.approx(0.5, abs=0.01)
     assert os.path.isdir(os.path.join(runs["directory"], "zero3 dp2"))
     saved = rank0["dp2, text zero 3 save"]
     assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
