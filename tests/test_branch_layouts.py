@@ -68,8 +68,8 @@ FOUR = {
     # fdp = dp 2 x bdp 2: the reduce-scatter sums over 4 ranks and divides by the top-level dp (2) only
     "dp2 x tp2, text tp1 zero 3": BranchCase({**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1,
                                                                                   "zero_stage": 3}}}),
-    "top zero 3, vision tp4, text tp2 zero 3": BranchCase({**TP4, "zero_stage": 3, "branch_layouts": {
-        TEXT: {"tensor_parallel_size": 2, "zero_stage": 3}}}),
+    # (the text branch takes the top-level zero_stage 3: it sets none)
+    "top zero 3, vision tp4, text tp2 zero 3": BranchCase({**TP4, "zero_stage": 3}),
     "resume zero3 at dp2 x tp2, top zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 2, "branch_layouts": {
         TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}}, steps=3, resume="zero3"),
 }
@@ -201,6 +201,12 @@ def test_branches_with_layouts_not_built_are_refused(kwargs, arg):
 def test_branch_and_top_level_zero_stages_not_built_are_refused(top, branch, message):
     with pytest.raises(ParallelConfigError, match=message):
         NPUHybridStrategy(tensor_parallel_size=2, zero_stage=top, branch_layouts={TEXT: {"zero_stage": branch}})
+
+
+def test_a_branch_without_zero_stage_takes_a_top_level_zero_2_or_3():
+    stages = {top: NPUHybridStrategy(tensor_parallel_size=2, zero_stage=top, branch_layouts={TEXT: {}})
+              .parallel_config.branches[0].zero_stage for top in (0, 1, 2, 3)}
+    assert stages == {0: 0, 1: 0, 2: 2, 3: 3}
 
 
 def test_globs_matching_nothing_or_overlapping_and_heads_are_refused():

@@ -34,8 +34,10 @@ class BranchLayout:
         return top_tp // self.tensor_parallel_size
 
 
-def parse_branch_layouts(value: Any) -> list[BranchLayout]:
-    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0|2|3}}``."""
+def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> list[BranchLayout]:
+    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0|2|3}}``.
+    A branch without its own 'zero_stage' under a top-level ZeRO 2/3 (`top_zero_stage`) takes the top level's: FSDP2
+    shards it over its own ranks (a ZeRO-0 branch does not compose with a top-level ZeRO 2/3)."""
     if value is None:
         return []
     if not isinstance(value, dict) or not value:
@@ -54,7 +56,7 @@ def parse_branch_layouts(value: Any) -> list[BranchLayout]:
         tp = options.get("tensor_parallel_size", 1)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ParallelConfigError(f"{where}['tensor_parallel_size']={tp!r} must be a positive int, e.g. 2.")
-        zero = options.get("zero_stage", 0)
+        zero = options.get("zero_stage", top_zero_stage if top_zero_stage in (2, 3) else 0)
         if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
             raise ParallelConfigError(f"{where}['zero_stage']={zero!r} must be 0, 2 or 3.")
         if zero == 1:
