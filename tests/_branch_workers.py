@@ -30,6 +30,7 @@ class BranchCase:
     save: Optional[str] = None  # save a checkpoint here after the steps (a file name under the launch's directory)
     resume: Optional[str] = None  # resume from this checkpoint (same), up to `steps`
     samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
+    accumulate: int = 1  # accumulate_grad_batches (batches per optimizer step)
 
 
 class BranchBytes(L.Callback):
@@ -37,8 +38,11 @@ class BranchBytes(L.Callback):
 
     sent: Optional[int] = None
 
+    compressed: Optional[int] = None  # what the compressor sent (a ZeRO-2/3 branch's compressed reduce-scatters too)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.sent = getattr(trainer.strategy._grad_sync, "sent_bytes", None)
+        self.compressed = getattr(trainer.strategy._grad_sync.compressor, "sent_bytes", None)
 
 
 def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
@@ -53,6 +57,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
+        accumulate_grad_batches=case.accumulate,
     )
     loader = DataLoader(ZooData("clip", case.samples), batch_size=case.batch // dp, shuffle=False)
     ckpt = os.path.join(directory, case.resume) if case.resume else None
@@ -63,7 +68,20 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
-            "report": str(trainer.strategy.tp_report)}
+            "compressed_bytes": sent.compressed,
+            "report": str(trainer.strategy.tp_report),
+            "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
+
+
+def held(module: torch.nn.Module) -> dict[str, float]:
+    """How a tower is stored on this rank: the share of its parameters that are FSDP2 shards over the branch's
+    ``fdp`` ranks, and the elements this rank holds of them over their full count."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(module.parameters())
+    over_fdp = [p for p in params if isinstance(p, DTensor) and "fdp" in (p.device_mesh.mesh_dim_names or ())]
+    return {"fdp": len(over_fdp) / len(params),
+            "local": sum(p.to_local().numel() for p in over_fdp) / max(1, sum(p.numel() for p in over_fdp))}
 
 
 def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:

@@ -3,9 +3,15 @@
 EXACT (fp32, every step clipped by the global norm, AdamW lr 1e-3): each logged loss within rtol 1e-5 and the final
 full state within 1e-5 (absolute) of one process reading the same samples. Measured on 2 CPU processes: loss 2.2e-7,
 state 1.2e-7. A mean instead of the sum over branch dp, or the ZeRO-1 hook off, fails them by orders of magnitude.
+
+A branch's own ZeRO 2/3 (FSDP2 over dp x branch dp, divided by the top-level dp): loss within 4.4e-7, state 1.2e-7
+at 2 and 4 processes, at a top-level ZeRO 0, 2 or 3, and across save/resume/reshard. FSDP2's default average over
+those ranks fails them (loss 3.0e-3, state 4.4e-4), and so does no division at dp = 2 (loss 4.5e-3, state 5.1e-4).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -20,7 +26,13 @@ from tests._model_zoo_workers import ZooModule
 LOSS_RTOL, STATE_ATOL = 1e-5, 1e-5
 TEXT1 = {"tensor_parallel_size": 2, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 1}}}
 ONEBIT = {**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "gradient_compression": "onebit"}}}
+ONEBIT3 = {**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "gradient_compression": "onebit",
+                                              "zero_stage": 3}}}  # FSDP2's reduce-scatter compressed
 LONG = dict(steps=15, samples=12)  # 5 epochs of 3 steps
+# each tower's own ZeRO-3 (FSDP2 over its dp ranks; vision 2-D with its tp=2), the rest of the model at ZeRO 0
+ZERO3 = {"tensor_parallel_size": 2, "zero_stage": 0,
+         "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 3},
+                            VISION: {"tensor_parallel_size": 2, "zero_stage": 3}}}
 
 TWO = {
     "save": BranchCase(TEXT1, steps=2, save="two"),
@@ -30,7 +42,22 @@ TWO = {
     "onebit save": BranchCase(ONEBIT, steps=2, samples=12, save="onebit"),
     "onebit resume": BranchCase(ONEBIT, resume="onebit", **LONG),
     "uncompressed": BranchCase(TEXT1, **LONG),
+    "onebit zero3": BranchCase(ONEBIT3, **LONG),
+    "onebit zero3 save": BranchCase(ONEBIT3, steps=2, samples=12, save="onebit zero3"),
+    "onebit zero3 resume": BranchCase(ONEBIT3, resume="onebit zero3", **LONG),
     "batch of 3": BranchCase(TEXT1, steps=1, batch=3, samples=3),
+    "zero3 save": BranchCase(ZERO3, steps=2, save="zero3"),
+    "zero3 resume": BranchCase(ZERO3, steps=3, resume="zero3"),
+    "zero3 resume without branches": BranchCase({"tensor_parallel_size": 2, "zero_stage": 0}, steps=3, resume="zero3"),
+    "top zero 3, text zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 3,
+                                           "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}}),
+    "zero3 accumulate 2": BranchCase(ZERO3, accumulate=2),  # the branches' reduce-scatter off while accumulating
+    "both towers tp1 zero 3": BranchCase({**ZERO3, "branch_layouts": {  # one branch mesh, flattened once
+        "model.*_model": {"tensor_parallel_size": 1, "zero_stage": 3}}}),
+    # tp 1 at dp 2: one file would be the default without the branch's ZeRO-3; it saves the sharded directory
+    "dp2, text zero 3 save": BranchCase({"zero_stage": 0, "branch_layouts": {TEXT: {"zero_stage": 3}}}, steps=2,
+                                        save="zero3 dp2"),
+    "dp2, text zero 3 resume without branches": BranchCase({"zero_stage": 0}, steps=3, resume="zero3 dp2"),
 }
 TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
 FOUR = {
@@ -38,16 +65,25 @@ FOUR = {
     "dp2 x tp2, text tp1, zero 0": BranchCase(TEXT1),
     "dp2 x tp2, text tp1, zero 1": BranchCase({**TEXT1, "zero_stage": 1}),
     "resume at vision tp4, text tp2": BranchCase(TP4, steps=3, resume="two"),
+    # fdp = dp 2 x bdp 2: the reduce-scatter sums over 4 ranks and divides by the top-level dp (2) only
+    "dp2 x tp2, text tp1 zero 3": BranchCase({**TEXT1, "branch_layouts": {TEXT: {"tensor_parallel_size": 1,
+                                                                                  "zero_stage": 3}}}),
+    # (the text branch takes the top-level zero_stage 3: it sets none)
+    "top zero 3, vision tp4, text tp2 zero 3": BranchCase({**TP4, "zero_stage": 3}),
+    "resume zero3 at dp2 x tp2, top zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 2, "branch_layouts": {
+        TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}}, steps=3, resume="zero3"),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("branches"))
-    reference = spawn(run_cases, 1, {"ref": BranchCase({"zero_stage": 0})}, directory)[0]["ref"]
+    reference = spawn(run_cases, 1, {"ref": BranchCase({"zero_stage": 0}),
+                                     "ref accumulate 2": BranchCase({"zero_stage": 0}, accumulate=2)}, directory)[0]
     two = spawn(run_cases, 2, TWO, directory)
     four = spawn(run_cases, 4, FOUR, directory)[0]
-    return {"ref": reference, "two": two, "four": four}
+    return {"ref": reference["ref"], "ref accumulate 2": reference["ref accumulate 2"], "two": two, "four": four,
+            "directory": directory}
 
 
 def _exact(diff: dict) -> bool:
@@ -63,6 +99,32 @@ def test_two_processes_vision_tp2_text_tp1_exact_and_resumes(runs):
         assert _exact(diff), (name, diff)
     # the top-level plan skips the text tower (its tp is the branch's)
     assert "vision_model" in rank0["save"]["report"] and "text_model" not in rank0["save"]["report"]
+
+
+def test_branch_zero3_and_top_zero3_two_processes_exact_and_reshard(runs):
+    ref, (rank0, rank1) = runs["ref"], runs["two"]
+    saved = rank0["zero3 save"]
+    assert saved["logged"] == rank1["zero3 save"]["logged"]
+    assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
+    # the text tower (tp 1, 2 branch-dp ranks) is stored as FSDP2 halves; vision's fdp is 1 rank (its tp is 2)
+    assert saved["held"][TEXT]["fdp"] == 1.0 and saved["held"][TEXT]["local"] == pytest.approx(0.5, abs=0.01)
+    assert saved["held"][VISION]["fdp"] == 1.0
+    for name in ("zero3 resume", "zero3 resume without branches"):
+        diff = compare(ref, rank0[name], slice(2, 3))
+        assert _exact(diff), (name, diff)
+    assert rank0["zero3 resume without branches"]["held"][TEXT]["fdp"] == 0.0
+    diff = compare(ref, rank0["top zero 3, text zero 2"])
+    assert _exact(diff), diff
+    diff = compare(runs["ref accumulate 2"], rank0["zero3 accumulate 2"])
+    assert _exact(diff), diff
+    both = rank0["both towers tp1 zero 3"]
+    assert _exact(compare(ref, both)), compare(ref, both)
+    assert both["held"][VISION]["local"] == pytest.approx(0.5, abs=0.01)
+    assert os.path.isdir(os.path.join(runs["directory"], "zero3 dp2"))
+    saved = rank0["dp2, text zero 3 save"]
+    assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
+    diff = compare(ref, rank0["dp2, text zero 3 resume without branches"], slice(2, 3))
+    assert _exact(diff), diff
 
 
 def test_four_processes(runs):
@@ -87,6 +149,17 @@ def test_onebit_on_the_text_tower_only(runs):
     resumed = rank0["onebit resume"]
     assert compare({**onebit, "logged": onebit["logged"][2:]}, resumed)["state"] <= STATE_ATOL
     assert resumed["logged"] == pytest.approx(onebit["logged"][2:], rel=LOSS_RTOL)
+    # the text tower's own ZeRO-3, its reduce-scatter compressed: the same bytes (FSDP2's padding and one scale per
+    # 256 values per unit aside), the same bound, and its residuals resume exactly
+    sharded = rank0["onebit zero3"]
+    assert 0.9 < sharded["compressed_bytes"] / onebit["branch_bytes"] < 1.1, (sharded["compressed_bytes"], onebit)
+    for epoch in range(5):
+        a = sum(sharded["logged"][3 * epoch:3 * epoch + 3]) / 3
+        b = sum(plain["logged"][3 * epoch:3 * epoch + 3]) / 3
+        assert abs(a - b) < 0.5, (epoch, a, b)
+    resumed = rank0["onebit zero3 resume"]
+    assert compare({**sharded, "logged": sharded["logged"][2:]}, resumed)["state"] <= STATE_ATOL
+    assert resumed["logged"] == pytest.approx(sharded["logged"][2:], rel=LOSS_RTOL)
 
 
 def test_batch_not_divisible_by_branch_dp_is_refused(runs):
@@ -95,7 +168,8 @@ def test_batch_not_divisible_by_branch_dp_is_refused(runs):
 
 
 @pytest.mark.parametrize("value, message", [
-    ({TEXT: {"zero_stage": 1}}, r"'zero_stage'\]=1: a branch's own ZeRO stages \(1-3\) are not built"),
+    ({TEXT: {"zero_stage": 1}}, r"'zero_stage'\]=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 0"),
+    ({TEXT: {"zero_stage": 4}}, r"'zero_stage'\]=4 must be 0, 2 or 3"),
     ({TEXT: {"tensor_parallel_size": 3}}, r"\['tensor_parallel_size'\]=3` does not divide `tensor_parallel_size=4`"),
     ({TEXT: {"tp": 2}}, r"unknown options \['tp'\]"),
     ({TEXT: {"gradient_compression": {"mode": "onebit", "warmup_steps": 2, "frozen_variance": True}}},
@@ -111,12 +185,28 @@ def test_bad_branch_options_are_refused(value, message):
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"expert_parallel_size": 2, "zero_stage": 0}, "expert_parallel_size=2"),
     ({"sequence_parallel": True}, "sequence_parallel=True"),
-    ({"zero_stage": 3}, "zero_stage=3"),
     ({"context_parallel_size": 2}, "context_parallel_size=2"),
 ])
 def test_branches_with_layouts_not_built_are_refused(kwargs, arg):
     with pytest.raises(ParallelConfigError, match=f"`branch_layouts` with `{arg}` is not built yet"):
         NPUHybridStrategy(**{"tensor_parallel_size": 2, **kwargs}, branch_layouts={TEXT: {}})
+
+
+@pytest.mark.parametrize("top, branch, message", [
+    (3, 0, r"\['zero_stage'\]=0` with the top-level `zero_stage=3` is not built yet.*"
+           r"set the branch's 'zero_stage' to 2 or 3"),
+    (1, 3, r"\['zero_stage'\]=3` with the top-level `zero_stage=1` is not built yet: "
+           r"use the top-level zero_stage 0, 2"),
+])
+def test_branch_and_top_level_zero_stages_not_built_are_refused(top, branch, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        NPUHybridStrategy(tensor_parallel_size=2, zero_stage=top, branch_layouts={TEXT: {"zero_stage": branch}})
+
+
+def test_a_branch_without_zero_stage_takes_a_top_level_zero_2_or_3():
+    stages = {top: NPUHybridStrategy(tensor_parallel_size=2, zero_stage=top, branch_layouts={TEXT: {}})
+              .parallel_config.branches[0].zero_stage for top in (0, 1, 2, 3)}
+    assert stages == {0: 0, 1: 0, 2: 2, 3: 3}
 
 
 def test_globs_matching_nothing_or_overlapping_and_heads_are_refused():

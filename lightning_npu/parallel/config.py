@@ -332,7 +332,7 @@ class ParallelConfig:
     @property
     def branches(self) -> list:
         """`branch_layouts` parsed (`branch.spec.BranchLayout`s, in the dict's order)."""
-        return parse_branch_layouts(self.branch_layouts)
+        return parse_branch_layouts(self.branch_layouts, top_zero_stage=self.zero_stage)
 
     @property
     def dp(self) -> int:

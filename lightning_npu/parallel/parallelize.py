@@ -93,11 +93,15 @@ def parallelize(
     branch_names = branch.apply_branches(model, mesh, branches) if branches else []
     tp_names = sorted(set(apply_tp(model, mesh, tp_plan, localize=not zero23)) | set(branch_names))
     recompute_report = apply_ac(model, cfg.activation_checkpointing)
+    self_reduced: list[str] = []  # ZeRO-2/3 branches: FSDP2 reduces them over dp x branch dp (DDP skips them)
+    if branches:
+        branch.shard_branches(model, data_parallel.fsdp_param_dtype(precision))
+        self_reduced = branch.fully_sharded_names(model)
     expert_names = apply_ep(model, mesh, cfg, precision)
     if pipeline is None and cfg.pipeline_parallel_size > 1:
         pipeline = apply_pp(model, mesh, cfg, pipeline_plan, device)
     wrapped, sync = apply_dp(model, pipeline, mesh, cfg, precision, tp_names, device_ids, ddp_kwargs, hierarchy,
-                             expert_names)
+                             expert_names, self_reduced)
     if expert_names and not zero23 and not cfg.uses_distributed_optimizer:
         # FSDP2's expert units (`apply_ep`) and ZeRO-1's edp buckets (`DistributedOptimizer`) reduce their own
         held = dict(model.named_parameters())  # under pp: this rank's stages' experts
@@ -130,7 +134,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: Any, localize: bool) -> l
         tp.apply_tensor_parallel(model, mesh["tp"], plan)
         fused = tp_shards.fused_parameters(model)  # read from the DTensor parameters, before localizing or FSDP2
         if localize:
-            tp_shards.localize_parameters(model)
+            tp_shards.localize_parameters(model, skip=branch.dtensor_modules(model))
         tp_shards.set_fused_layout(model, {**tp_shards.fused_layout(model), **fused})  # (with the branches')
     return tp_shards.tensor_parallel_parameter_names(model)
 
@@ -139,15 +143,22 @@ def apply_branch_sync(model: nn.Module, sync: gs.GradientSync, cfg: ParallelConf
     """Each branch's gradients summed over its branch dp (`branch.apply.BranchGradientSync`): from each parameter's
     hook under ZeRO-1 at dp > 1 (before the optimizer's reduce-scatter, whose hooks come later), else after `sync`."""
     groups = branch.branch_parameters(model)
-    if not groups:
+    fsdp = branch.fully_sharded_units(model)
+    specs = [s.layout.compression for s, _ in groups if s.layout.compression is not None] + [
+        s.layout.compression for _, _, s in branch.applied_branches(model)
+        if branch.fully_sharded(s.layout) and s.layout.compression is not None]
+    if not groups and not specs and (not fsdp or cfg.zero_stage in (2, 3)):  # the top level's FSDP2 sync covers them
         return sync
     compressor = None
-    specs = [s.layout.compression for s, _ in groups if s.layout.compression is not None]
     if specs and sync.compressor is None:
         compressor = Compressor(specs[0])
         compressor.resolve(model.named_parameters())
-        compressor.world = groups[0][0].bdp  # its state (residuals) belongs to the bdp group (checkpoints)
-    return branch.BranchGradientSync(sync, groups, compressor, from_hooks=cfg.uses_distributed_optimizer)
+        # its state (residuals) belongs to the bdp group (checkpoints), or to fdp under a branch's ZeRO 2/3
+        compressor.world = groups[0][0].bdp if groups else next(  # (the last group it sums over in a step)
+            s.mesh["outer"].size() * s.bdp for _, _, s in branch.applied_branches(model) if s.layout.compression)
+    branch.compress_fully_sharded(model, compressor or sync.compressor)
+    return branch.BranchGradientSync(sync, groups, compressor, from_hooks=cfg.uses_distributed_optimizer,
+                                     fsdp_units=[] if cfg.zero_stage in (2, 3) else fsdp)
 
 
 def apply_ac(model: nn.Module, policy: Any) -> Any:
@@ -189,8 +200,10 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, precision:
 def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelConfig, precision: Any,
              tp_names: list[str], device_ids: Optional[list[int]],
              ddp_kwargs: dict[str, Any], hierarchy: Any = None,
-             expert_names: Optional[list[str]] = None) -> tuple[nn.Module, gs.GradientSync]:
-    """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync."""
+             expert_names: Optional[list[str]] = None,
+             self_reduced: Optional[list[str]] = None) -> tuple[nn.Module, gs.GradientSync]:
+    """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync.
+    `self_reduced`: names of parameters whose own FSDP2 units reduce them (ZeRO-2/3 branches): DDP skips them."""
     dp_mesh = replica_mesh(mesh)  # dp, or dp x cp under context parallelism
     if cfg.zero_stage in (2, 3):
         param_dtype = data_parallel.fsdp_param_dtype(precision)
@@ -229,15 +242,15 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
     if cfg.replicas == 1 and compressor is None:
         # one replica: nothing to reduce, so no DDP wrapper, which would refuse what one device allows (a fully
         # frozen model, parameters unused in forward) and tie the module to a process group (torch.save(model))
-        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ())
+        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ()) + list(self_reduced or ())
         return model, gs.GradientSync()
-    if expert_names:  # each rank's own experts: not averaged over dp by DDP (`ExpertGradientSync` reduces them)
-        model._ddp_params_and_buffers_to_ignore = list(expert_names)
+    if expert_names or self_reduced:  # each rank's own experts (`ExpertGradientSync` reduces them), FSDP2 branches
+        model._ddp_params_and_buffers_to_ignore = list(expert_names or ()) + list(self_reduced or ())
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
-    if tp_names or expert_names:
+    if tp_names or expert_names or self_reduced:
         # DDP has taken every parameter (tp shards are averaged over dp too); from now on Lightning's whole-world
         # state broadcast (before validate/test) must skip the tp shards and experts, which differ between ranks
-        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ())
+        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ()) + list(self_reduced or ())
     return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor,
                                       hierarchy=hierarchy)
 

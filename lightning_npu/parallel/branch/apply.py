@@ -6,6 +6,13 @@ rank runs it on its slice of the batch, and its output is all-gathered over ``bd
 contrastive loss) sees every sample. Backward is the matching slice, so each bdp rank's branch gradients hold its
 slice's part: they are summed over ``bdp`` (`BranchGradientSync`), then reduced over the top-level dp like every
 other gradient.
+
+A branch's own ``zero_stage`` 2/3 (`shard_branches`) makes its blocks and itself FSDP2 units over ``fdp``, the
+(outer x bdp) ranks flattened: every rank that holds the same branch tp shard. Its tp parameters stay DTensors on
+``btp``, which FSDP2 makes 2-D (fdp, btp) as torchtitan composes FSDP2 with TP. The one reduce-scatter over fdp then
+does both sums at once: over bdp (the slices' parts) and over the top-level dp (``outer``), divided by the top-level
+dp size only (`gradient_divisor`), the mean over the global batch. So nothing else reduces those parameters: DDP and
+`BranchGradientSync` skip them.
 """
 
 from __future__ import annotations
@@ -20,13 +27,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_npu.parallel.collectives import all_gather_into
-from lightning_npu.parallel.data_parallel.sync import GradientSync
+from lightning_npu.parallel.data_parallel import wrap
+from lightning_npu.parallel.data_parallel.sync import GradientSync, fsdp_modules, fsdp_reduce_scatter
 from lightning_npu.parallel.errors import ParallelConfigError
 from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel import plan as tp
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
 MESH_DIMS = ("outer", "bdp", "btp")
+FSDP_DIM = "fdp"  # (outer, bdp) flattened: the ranks a ZeRO-2/3 branch shards over
+
+
+def fully_sharded(layout: Any) -> bool:
+    """A branch that shards itself with FSDP2 (its own zero_stage 2 or 3)."""
+    return layout.zero_stage in (2, 3)
 
 
 @dataclass
@@ -89,7 +103,8 @@ def apply_branches(model: nn.Module, mesh: DeviceMesh, branches: list[tuple[str,
         if plan is not None and plan.styles:
             tp.apply_tensor_parallel(sub, shard.mesh["btp"], plan)
             fused = {f"{name}.{k}": v for k, v in tp_shards.fused_parameters(sub).items()}
-            tp_shards.localize_parameters(sub)
+            if not fully_sharded(layout):  # FSDP2 needs the DTensors (2-D with its fdp)
+                tp_shards.localize_parameters(sub)
             tp_shards.set_fused_layout(model, {**tp_shards.fused_layout(model), **fused})
         state.branch = shard
         if shard.bdp > 1:
@@ -98,15 +113,100 @@ def apply_branches(model: nn.Module, mesh: DeviceMesh, branches: list[tuple[str,
     return tp_shards.tensor_parallel_parameter_names(model)
 
 
-def branch_parameters(model: nn.Module) -> list[tuple[BranchShard, list[tuple[str, nn.Parameter]]]]:
-    """Each applied branch with bdp > 1 and its (full name, parameter) pairs, in module order."""
+def applied_branches(model: nn.Module) -> list[tuple[str, nn.Module, BranchShard]]:
     out = []
     for name, module in model.named_modules():
-        state = module_state(module, create=False)
-        shard = getattr(state, "branch", None)
-        if shard is not None and shard.bdp > 1:
-            out.append((shard, [(f"{name}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]))
+        shard = getattr(module_state(module, create=False), "branch", None)
+        if shard is not None:
+            out.append((name, module, shard))
     return out
+
+
+def branch_parameters(model: nn.Module) -> list[tuple[BranchShard, list[tuple[str, nn.Parameter]]]]:
+    """Each applied branch with bdp > 1 and its (full name, parameter) pairs that the bdp sum reduces, in module
+    order: all of a ZeRO-0 branch's, none of a ZeRO-2/3 branch's but those FSDP2 leaves out (0-dim)."""
+    out = []
+    for name, module, shard in applied_branches(model):
+        if shard.bdp > 1:
+            named = [(f"{name}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]
+            if fully_sharded(shard.layout):
+                named = [(n, p) for n, p in named if p.dim() == 0]
+            if named:
+                out.append((shard, named))
+    return out
+
+
+def dtensor_modules(model: nn.Module) -> set[int]:
+    """ids of the modules of ZeRO-2/3 branches: the top level's `localize_parameters` must leave their DTensors."""
+    return {id(m) for _, module, shard in applied_branches(model) if fully_sharded(shard.layout)
+            for m in module.modules()}
+
+
+def fully_sharded_names(model: nn.Module) -> list[str]:
+    """Full names of the parameters a ZeRO-2/3 branch reduces itself (DDP and ZeRO-1 must skip them)."""
+    out = []
+    for name, module, shard in applied_branches(model):
+        if fully_sharded(shard.layout):
+            out += [f"{name}.{n}" for n, p in module.named_parameters() if p.dim() > 0]
+    return out
+
+
+def fully_sharded_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units of the ZeRO-2/3 branches (accumulating micro-steps switch their reduce-scatter off)."""
+    return [u for _, module, shard in applied_branches(model) if fully_sharded(shard.layout)
+            for u in fsdp_modules(module)]
+
+
+def fsdp_mesh(shard: BranchShard) -> DeviceMesh:
+    """fdp: the (outer, bdp) ranks flattened, those holding the same branch tp shard. 1-D: FSDP2 finds the btp dim
+    of the branch's DTensors on the same root mesh and makes them 2-D itself (a 2-D mesh would mean HSDP).
+    Collective the first time (a new process group)."""
+    try:
+        return shard.mesh[FSDP_DIM]
+    except (KeyError, RuntimeError, ValueError):
+        return shard.mesh["outer", "bdp"]._flatten(FSDP_DIM)
+
+
+def shard_branches(model: nn.Module, param_dtype: Optional[torch.dtype]) -> None:
+    """FSDP2 on each ZeRO-2/3 branch (module docstring): its blocks, then the branch itself, over `fsdp_mesh`; 0-dim
+    parameters stay whole (the bdp sum and the top level reduce them). Its reduce-scatter sums over every rank of
+    fdp and divides by the top-level dp size. Collective; once (a later validate/test finds the units)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for name, module, shard in applied_branches(model):
+        if not fully_sharded(shard.layout) or isinstance(module, FSDPModule):
+            continue
+        kwargs = wrap._fully_shard_kwargs(module, fsdp_mesh(shard), shard.layout.zero_stage, param_dtype,
+                                          check_scalars=False)
+        scalars = set(wrap.scalar_parameters(module))
+        if scalars:
+            kwargs["ignored_params"] = scalars
+        dp = shard.mesh["outer"].size()
+        units = [u for u in wrap._fsdp_units(module) if not isinstance(u, FSDPModule)] + [module]
+        for unit in units:
+            fully_shard(unit, **kwargs)
+            unit.set_gradient_divide_factor(float(dp))  # FSDP2's own path where fdp = 1 (no reduce-scatter runs)
+            module_state(unit).gradient_divisor = dp
+        wrap.route_reduce_scatter(module)
+
+
+def compress_fully_sharded(model: nn.Module, compressor: Any) -> bool:
+    """Each ZeRO-2/3 branch with a `gradient_compression` reduce-scatters through `compressor` (a compressed sum
+    over fdp of which each rank keeps its chunk; one residual per FSDP2 unit). Returns whether any does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = False
+    for name, module, shard in applied_branches(model):
+        spec = shard.layout.compression
+        if not fully_sharded(shard.layout) or spec is None:
+            continue
+        dp = shard.mesh["outer"].size()
+        for sub_name, unit in module.named_modules():
+            if isinstance(unit, FSDPModule):
+                key = f"branch:{name}.{sub_name}" if sub_name else f"branch:{name}"
+                unit.set_custom_reduce_scatter(fsdp_reduce_scatter(dp, compressor, spec, key))
+                found = True
+    return found
 
 
 # ---- the batch split: slice at the input, all-gather at the output ------------------------------------------
@@ -222,8 +322,9 @@ class BranchGradientSync(GradientSync):
     (a sum over bdp and the mean over dp commute)."""
 
     def __init__(self, inner: GradientSync, branches: list[tuple[BranchShard, list[tuple[str, nn.Parameter]]]],
-                 compressor: Any, from_hooks: bool) -> None:
+                 compressor: Any, from_hooks: bool, fsdp_units: Optional[list[nn.Module]] = None) -> None:
         self.inner, self.branches, self.from_hooks = inner, branches, from_hooks
+        self.fsdp_units = list(fsdp_units or ())  # ZeRO-2/3 branches under a top-level ZeRO 0: their own sync
         self._compressor = compressor  # the branches' compressor where the top level has none
         self.sent_bytes = 0  # bytes this rank sent for the bdp sums (uncompressed: fp32, 4 per value)
         if from_hooks:
@@ -239,10 +340,14 @@ class BranchGradientSync(GradientSync):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         self.enabled = False
+        for unit in self.fsdp_units:
+            unit.set_requires_gradient_sync(False, recurse=False)
         try:
             with self.inner.no_sync():
                 yield
         finally:
+            for unit in self.fsdp_units:
+                unit.set_requires_gradient_sync(True, recurse=False)
             self.enabled = True
 
     def bind(self, optimizers: list[Any], pipeline: Any = None) -> None:

@@ -2,7 +2,8 @@
 
 A branch is a submodule (``model.text_model``) that factorizes each top-level tp group into its own
 (branch dp x branch tp): its ranks read the same batch, so a branch at a smaller tp splits that batch over its
-branch-dp ranks instead of sharding weights as finely. What is not built yet is refused here, naming the argument.
+branch-dp ranks instead of sharding weights as finely. A branch's ``zero_stage`` 2/3 shards it with FSDP2 over all
+its dp ranks (the top-level dp x its branch dp). What is not built yet is refused here, naming the argument.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ class BranchLayout:
         return top_tp // self.tensor_parallel_size
 
 
-def parse_branch_layouts(value: Any) -> list[BranchLayout]:
-    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0}}``."""
+def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> list[BranchLayout]:
+    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0|2|3}}``.
+    A branch without its own 'zero_stage' under a top-level ZeRO 2/3 (`top_zero_stage`) takes the top level's: FSDP2
+    shards it over its own ranks (a ZeRO-0 branch does not compose with a top-level ZeRO 2/3)."""
     if value is None:
         return []
     if not isinstance(value, dict) or not value:
@@ -53,11 +56,13 @@ def parse_branch_layouts(value: Any) -> list[BranchLayout]:
         tp = options.get("tensor_parallel_size", 1)
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ParallelConfigError(f"{where}['tensor_parallel_size']={tp!r} must be a positive int, e.g. 2.")
-        zero = options.get("zero_stage", 0)
-        if zero != 0 or isinstance(zero, bool):
+        zero = options.get("zero_stage", top_zero_stage if top_zero_stage in (2, 3) else 0)
+        if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+            raise ParallelConfigError(f"{where}['zero_stage']={zero!r} must be 0, 2 or 3.")
+        if zero == 1:
             raise ParallelConfigError(
-                f"{where}['zero_stage']={zero!r}: a branch's own ZeRO stages (1-3) are not built yet; its parameters "
-                "follow the top-level zero_stage (0 or 1) over the top-level dp. Set 'zero_stage': 0 or drop it.")
+                f"{where}['zero_stage']=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 0 (the branch "
+                "follows the top-level zero_stage) or 3 (2) to shard its parameters (and gradients) over its dp ranks.")
         raw = options.get("gradient_compression")
         try:
             spec = parse_compression(raw)
@@ -69,7 +74,7 @@ def parse_branch_layouts(value: Any) -> list[BranchLayout]:
         if spec is not None and spec.frozen_variance:
             raise ParallelConfigError(f"{where}['gradient_compression']: frozen_variance=True (1-bit Adam) on a branch "
                                       "is not built yet; use frozen_variance=False (onebit with error feedback).")
-        out.append(BranchLayout(glob, tp, raw, 0, spec))
+        out.append(BranchLayout(glob, tp, raw, zero, spec))
     return out
 
 
@@ -80,14 +85,25 @@ def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
     refused = [(cfg.pipeline_parallel_size > 1, f"pipeline_parallel_size={cfg.pipeline_parallel_size}"),
                (cfg.expert_parallel_size > 1, f"expert_parallel_size={cfg.expert_parallel_size}"),
                (cfg.sequence_parallel, "sequence_parallel=True"),
-               (cfg.zero_stage in (2, 3), f"zero_stage={cfg.zero_stage}"),
                (getattr(cfg, "context_parallel_size", 1) > 1,
                 f"context_parallel_size={getattr(cfg, 'context_parallel_size', 1)}")]
     for bad, arg in refused:
         if bad:
             raise ParallelConfigError(
                 f"`branch_layouts` with `{arg}` is not built yet: branches compose with tensor and data parallelism "
-                "at zero_stage 0 or 1; drop branch_layouts or that argument.")
+                "(zero_stage 0-3); drop branch_layouts or that argument.")
+    for b in branches:
+        where = f"`branch_layouts[{b.glob!r}]['zero_stage']={b.zero_stage}`"
+        if cfg.zero_stage in (2, 3) and b.zero_stage not in (2, 3):
+            # FSDP2 at the top level would shard the branch's plain local tp shards, summed over bdp only afterwards
+            raise ParallelConfigError(
+                f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level "
+                "ZeRO 2/3 a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
+        if cfg.zero_stage == 1 and b.zero_stage in (2, 3):
+            # ZeRO-1's buckets would reduce the branch's FSDP2 shards over dp a second time
+            raise ParallelConfigError(
+                f"{where} with the top-level `zero_stage=1` is not built yet: use the top-level zero_stage 0, 2 or 3, "
+                "or the branch's 'zero_stage': 0.")
     for b in branches:
         if cfg.tensor_parallel_size % b.tensor_parallel_size:
             raise ParallelConfigError(

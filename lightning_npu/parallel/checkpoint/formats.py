@@ -55,7 +55,10 @@ def writes_single_file(cfg: Any, value: Any, async_save: bool = False) -> bool:
         return False
     if value is False:
         return True
-    return cfg.pipeline_parallel_size == 1 and cfg.tensor_parallel_size == 1 and cfg.zero_stage in (0, 1)
+    # a branch's own ZeRO 2/3 shards it as ZeRO 3 does: the default is the sharded directory, never one gathered file
+    sharded_branch = any(b.zero_stage in (2, 3) for b in getattr(cfg, "branches", None) or ())
+    return (cfg.pipeline_parallel_size == 1 and cfg.tensor_parallel_size == 1 and cfg.zero_stage in (0, 1)
+            and not sharded_branch)
 
 
 def full_model_state(module: nn.Module, distributed_optimizers: list[Any]) -> dict[str, torch.Tensor]:

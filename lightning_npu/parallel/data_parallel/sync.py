@@ -583,14 +583,16 @@ def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
         m.set_requires_gradient_sync(enabled, recurse=False)
 
 
-def fsdp_reduce_scatter(divide_by: Optional[int] = None) -> Any:
+def fsdp_reduce_scatter(divide_by: Optional[int] = None, compressor: Any = None, spec: Any = None,
+                        key: str = "") -> Any:
     """A `ReduceScatter` for FSDP2's ``FSDPModule.set_custom_reduce_scatter``: each unit's flat gradient bucket goes
     through `reduce_bucket`, so what wraps it (compression, hierarchy) wraps ZeRO 2/3 too.
 
     FSDP2 lays the bucket out as `reduce_bucket` expects (rank-major, ``torch._chunk_cat`` of the padded
     gradients), in the fp32 reduce dtype, and asks for ``AVG`` (SUM where dp = 1): the SUM is divided by the dp
     size here, as every other caller of `reduce_bucket` does. `divide_by`: a unit whose mean is over more ranks
-    than its group (experts: dp, over their edp group; FSDP2 then asks for a pre-multiplied sum).
+    than its group (experts: dp, over their edp group; FSDP2 then asks for a pre-multiplied sum). `compressor`,
+    `spec`, `key`: the unit's bucket is compressed (a branch's own gradient_compression under its ZeRO 2/3).
     """
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
@@ -602,7 +604,7 @@ def fsdp_reduce_scatter(divide_by: Optional[int] = None) -> Any:
                      async_op: bool = False) -> Any:
             if divide_by is None and op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
                 raise NotImplementedError(f"FSDP2 asked for a {op} reduce-scatter; reduce_bucket sums (then averages).")
-            reduce_bucket(input_tensor, group, out=output_tensor).wait()
+            reduce_bucket(input_tensor, group, out=output_tensor, compressor=compressor, key=key, spec=spec).wait()
             if divide_by is not None:
                 output_tensor.div_(divide_by)
             elif op == dist.ReduceOp.AVG:

@@ -69,13 +69,16 @@ def share_layout(copy: torch.Tensor, param: torch.Tensor) -> None:
         tensor_state(copy).pipeline_copy = True
 
 
-def localize_parameters(model: nn.Module) -> int:
+def localize_parameters(model: nn.Module, skip: Optional[set[int]] = None) -> int:
     """Store DTensor parameters as plain local shards; each module re-wraps its own around forward.
 
-    Returns the number of parameters localized. Tied parameters stay one object.
+    Returns the number of parameters localized. Tied parameters stay one object. `skip`: ids of modules whose
+    DTensors stay (a ZeRO-2/3 branch's, which FSDP2 shards next).
     """
     local_of: dict[int, nn.Parameter] = {}
     for module in model.modules():
+        if skip and id(module) in skip:
+            continue
         own = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
         if not own:
             continue
