@@ -231,10 +231,12 @@ class GradientBuckets:
 
     Two ways to reduce a sharded bucket, the fastest per backend (``inplace=None`` picks):
 
-    * in place (gloo, whose reduce-scatter costs ~4x its all-reduce of the same bytes): each bucket is one
+    * in place (gloo, whose own reduce-scatter costs more than its all-reduce of the same bytes): each bucket is one
       parameter-major fp32 buffer, ``p.grad`` a view of it, so backward accumulates straight into it (Megatron's
-      contiguous gradient buffer); one in-place all-reduce per bucket; this rank's ``Shard(0)`` rows are views of
-      the result, so ``.grad`` and checkpoints keep their layout;
+      contiguous gradient buffer). Its reduce-scatter is one ``all_to_all_single`` per bucket: each rank sends the
+      others their rows (packed once, the only copy) and adds what it receives into its own rows in place, half an
+      all-reduce's bytes (``inplace_reduction = "all_reduce"``: the in-place all-reduce measured against it). This
+      rank's ``Shard(0)`` rows are views of the buffer, so ``.grad`` and checkpoints keep their layout;
     * reduce-scatter (NCCL, HCCL): the local gradients are copied once into a rank-major send buffer at launch, as
       FSDP2 does (a gradient cannot be a view of a rank-major buffer: its rows land in every rank's chunk), and
       each rank receives only its rows.
