@@ -5,7 +5,11 @@
 
 Each repeat is one launch of 2 processes (gloo) running every 2-process arm one after the other, the arms' order
 rotating each repeat (a slow minute of the shared machine hits every arm alike), and a 1-process launch, before or
-after it in turn, for the baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32, AdamW, GPT 4 layers d=256 T=128.
+after it in turn, for the baseline at the same per-rank batch (1 thread, as each of the 2 ranks has: Lightning's
+launcher would give the one process both cores, so `Recorder` pins it back). fp32, AdamW, GPT 4 layers d=256 T=128.
+
+ZeRO-1's choices have benchmark-only arms (`VARIANTS`: ``zero1_allreduce``, ``zero1_no_overlap``,
+``zero1_bucket4``), reported with their ratio to ``zero1`` (``over_zero1``, ``over_zero1_cpu``).
 
 - ``ddp``: Lightning's ``"ddp"``; ``zero0`` .. ``zero3``: ``NPUHybridStrategy(zero_stage=S)`` at dp=2;
   ``tp2``: ``NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)``; ``model_parallel``: Lightning's
@@ -37,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 
 from benchmarks._common import environment, write_json  # noqa: E402
 from benchmarks._env import load_average  # noqa: E402
@@ -79,10 +84,16 @@ class Recorder(L.Callback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
+        self.threads = torch.get_num_threads()  # the launch's (`spawn(..., threads=1)`)
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.fwd_bwd: list[float] = []
         self.optimizer: list[float] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Lightning's launcher sets torch's threads to cpu_count / processes (2 for the one-process baseline on this
+        # 2-core machine): keep the launch's (1), so that the baseline computes as each of the 2 ranks does
+        torch.set_num_threads(self.threads)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t0, self._c0 = time.perf_counter(), time.process_time()

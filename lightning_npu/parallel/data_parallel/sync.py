@@ -139,8 +139,8 @@ class _Bucket:
 
     def make_inplace(self) -> None:
         """Gradients accumulate straight into one parameter-major fp32 buffer (``p.grad`` is a view of it), which
-        is reduced in place (all-to-all into this rank's rows, `plan_all_to_all`, or all-reduce): no copy of the
-        local gradients at launch beyond the other ranks' rows, and this rank's rows of each parameter are views of it."""
+        is reduced in place (all-to-all into this rank's rows, `plan_all_to_all`, or all-reduce): no copy at launch
+        beyond the other ranks' rows, and this rank's rows of each parameter are views of it."""
         offset = 0
         for s in self.slices:
             s.full_offset = offset
