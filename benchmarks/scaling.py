@@ -5,7 +5,11 @@
 
 Each repeat is one launch of 2 processes (gloo) running every 2-process arm one after the other, the arms' order
 rotating each repeat (a slow minute of the shared machine hits every arm alike), and a 1-process launch, before or
-after it in turn, for the baseline at the same per-rank batch (1 thread, as each of the 2 ranks has). fp32, AdamW, GPT 4 layers d=256 T=128.
+after it in turn, for the baseline at the same per-rank batch (1 thread, as each of the 2 ranks has: Lightning's
+launcher would give the one process both cores, so `Recorder` pins it back). fp32, AdamW, GPT 4 layers d=256 T=128.
+
+ZeRO-1's choices have benchmark-only arms (`VARIANTS`: ``zero1_allreduce``, ``zero1_no_overlap``,
+``zero1_bucket4``), reported with their ratio to ``zero1`` (``over_zero1``, ``over_zero1_cpu``).
 
 - ``ddp``: Lightning's ``"ddp"``; ``zero0`` .. ``zero3``: ``NPUHybridStrategy(zero_stage=S)`` at dp=2;
   ``tp2``: ``NPUHybridStrategy(tensor_parallel_size=2, zero_stage=0)``; ``model_parallel``: Lightning's
@@ -37,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 
 from benchmarks._common import environment, write_json  # noqa: E402
 from benchmarks._env import load_average  # noqa: E402
@@ -48,6 +53,30 @@ DP_ARMS = ["ddp", "zero0", "zero1", "zero2", "zero3"]
 TP_ARMS = ["tp2", "model_parallel"]
 
 
+# benchmark-only ZeRO-1 variants (``--arms zero1 zero1_allreduce ...``): what each default was chosen against
+VARIANTS: dict[str, dict[str, Any]] = {
+    "zero1_allreduce": {"inplace_reduction": "all_reduce"},  # gloo's in-place buckets all-reduced (before #31's a2a)
+    "zero1_no_overlap": {"defer_gather": False},  # the parameter all-gather waited for right after the step
+    "zero1_bucket4": {"strategy": {"bucket_size_mb": 4.0}},
+}
+
+
+def _set_variant(variant: dict[str, Any]) -> None:
+    """Set (or, with ``{}``, reset) the class-level choices a variant changes; each arm runs in the same process."""
+    from lightning_npu.parallel.data_parallel.sync import GradientBuckets
+
+    GradientBuckets.inplace_reduction = variant.get("inplace_reduction", "all_to_all")
+
+
+class _NoDeferredGather(L.Callback):
+    """``zero1_no_overlap``: ZeRO-1 waits for its parameter all-gather inside the step."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for opt in trainer.strategy.optimizers:
+            if hasattr(opt, "defer_gather"):
+                opt.defer_gather = False
+
+
 class Recorder(L.Callback):
     """Per step after `warmup`: wall and process-CPU time, and the wall time up to ``on_before_optimizer_step``
     (forward and backward with every wait on communication: DDP's, ZeRO's bucket reductions, the overlapped
@@ -55,10 +84,16 @@ class Recorder(L.Callback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
+        self.threads = torch.get_num_threads()  # the launch's (`spawn(..., threads=1)`)
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.fwd_bwd: list[float] = []
         self.optimizer: list[float] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Lightning's launcher sets torch's threads to cpu_count / processes (2 for the one-process baseline on this
+        # 2-core machine): keep the launch's (1), so that the baseline computes as each of the 2 ranks does
+        torch.set_num_threads(self.threads)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t0, self._c0 = time.perf_counter(), time.process_time()
@@ -82,11 +117,15 @@ def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
     from lightning_npu import NPUHybridStrategy
 
     os.environ["WORLD_SIZE"] = os.environ.get("LNPU_BENCH_WORLD", os.environ.get("WORLD_SIZE", "1"))
+    _set_variant({})
     L.seed_everything(0, verbose=False)
     devices = int(os.environ["WORLD_SIZE"])
     model: Any = GPTModule(**MODEL)
     if name == "ddp":
         strategy: Any = "ddp"
+    elif name in VARIANTS:  # ZeRO-1 with one choice changed, to measure it against the default
+        strategy = NPUHybridStrategy(zero_stage=1, **VARIANTS[name].get("strategy", {}))
+        _set_variant(VARIANTS[name])
     elif name.startswith("zero"):
         strategy = NPUHybridStrategy(zero_stage=int(name[-1]))
     elif name == "tp2":
@@ -105,7 +144,7 @@ def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
                         max_steps=warmup + steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[recorder])
+                        callbacks=[recorder] + ([_NoDeferredGather()] if name == "zero1_no_overlap" else []))
     trainer.fit(model, datamodule=data)
     return {"wall": recorder.wall, "cpu": recorder.cpu, "fwd_bwd": recorder.fwd_bwd, "optimizer": recorder.optimizer,
             "loss": float(trainer.callback_metrics["train_loss"])}
@@ -132,34 +171,95 @@ def _merge(parts: list[list[dict]]) -> list[dict]:
 
 
 def _collectives(sizes_mib: list[float], iters: int) -> dict[str, Any]:
+    """Median ms of each way to move one fp32 bucket of each size over the world (gloo), every op per iteration in
+    an order that alternates, after a barrier. The ZeRO-1 bucket is parameter-major (``p.grad`` views), so a
+    reduce-scatter from it first packs this rank's send buffer rank-major (``pack``: one copy of the bucket):
+
+    - ``all_reduce``: in place (DDP's and ZeRO-1's former gloo path);
+    - ``reduce_scatter``: ``reduce_scatter_tensor`` (gloo's own);
+    - ``reduce_scatter_a2a``: ``all_to_all_single`` of the rank-major buffer, then this rank's parts summed locally
+      (the bytes of a ring reduce-scatter); ``..._packed``: with the pack copy in front, and the SUM written into
+      a strided view (what ZeRO-1 does);
+    - ``reduce_scatter_a2a_peers``: only the other ranks' rows packed and sent (uneven splits, 0 to itself), the
+      received parts added in place into this rank's rows of the bucket (what ZeRO-1 does on gloo);
+    - ``all_gather``: ``all_gather_into_tensor``; ``all_gather_list``: ``dist.all_gather`` into views of one buffer;
+    - ``rs_a2a_plus_ag``: ZeRO-1's whole step, packed reduce-scatter + all-gather, against ``all_reduce``
+      (DDP's) and ``all_reduce_plus_ag`` (ZeRO-1's gloo path before).
+    """
     import torch
     import torch.distributed as dist
 
     from lightning_npu.parallel.collectives import all_gather_into, reduce_scatter_into
 
     world = dist.get_world_size()
+    rank = dist.get_rank()
     out: dict[str, Any] = {}
     for mib in sizes_mib:
         n = int(mib * 2**20 / 4) // world * world
         x = torch.randn(n)
+        bucket = torch.randn(n)  # parameter-major: pack copies it rank-major (one copy, as torch._chunk_cat)
+        send = torch.empty(n)
+        recv = torch.empty(n)
         part = torch.empty(n // world)
+        # P parameters of `world` x m elements each (a 256 x 256 weight at dp=2: m = 32768), parameter-major
+        m = 2**15 if n % (world * 2**15) == 0 else n // world
+        by_param = bucket.view(-1, world, m)
+
+        def pack() -> None:
+            send.view(world, -1, m).copy_(by_param.transpose(0, 1))  # this rank's rows of every parameter, rank-major
         full = torch.empty(n)
+        views = list(full.view(world, -1).unbind(0))
+
+        def rs_a2a() -> None:
+            dist.all_to_all_single(recv, send)
+            torch.sum(recv.view(world, -1), dim=0, out=part)
+
+        def rs_a2a_packed() -> None:
+            pack()
+            dist.all_to_all_single(recv, send)
+            torch.sum(recv.view(world, -1), dim=0, out=part)
+            by_param[:, rank].copy_(part.view(-1, m))  # the SUM back into this rank's rows of the bucket
+
+        # only the peers' rows travel: this rank's own rows stay in the bucket, the SUM is added into them in place
+        peers = torch.empty((world - 1) * (n // world))
+        got = torch.empty_like(peers)
+        splits = [0 if r == rank else n // world for r in range(world)]
+        others = [r for r in range(world) if r != rank]
+
+        def rs_a2a_peers() -> None:
+            for i, r in enumerate(others):
+                peers.view(world - 1, -1, m)[i].copy_(by_param[:, r])
+            dist.all_to_all_single(got, peers, splits, splits)
+            own = by_param[:, rank]
+            for i in range(world - 1):
+                own.add_(got.view(world - 1, -1, m)[i])
+
         ops = {"all_reduce": lambda: dist.all_reduce(x),
+               "reduce_scatter_a2a_peers": rs_a2a_peers,
                "reduce_scatter": lambda: reduce_scatter_into(part, x),
-               "all_gather": lambda: all_gather_into(full, part)}
+               "reduce_scatter_a2a": rs_a2a,
+               "reduce_scatter_a2a_packed": rs_a2a_packed,
+               "all_gather": lambda: all_gather_into(full, part),
+               "all_gather_list": lambda: dist.all_gather(views, part),
+               "pack": pack}
         row: dict[str, float] = {}
         for _ in range(2):  # warm-up
             for op in ops.values():
                 op()
         times: dict[str, list[float]] = {k: [] for k in ops}
         for i in range(iters):
-            for name in (list(ops) if i % 2 == 0 else list(ops)[::-1]):
+            names = list(ops)
+            names = names[i % len(names):] + names[:i % len(names)]
+            for name in (names if i % 2 == 0 else names[::-1]):
                 dist.barrier()
                 t0 = time.perf_counter()
                 ops[name]()
                 times[name].append(1e3 * (time.perf_counter() - t0))
         for name, ts in times.items():
             row[f"{name}_ms"] = statistics.median(ts)
+        row["rs_a2a_packed_plus_ag_ms"] = row["reduce_scatter_a2a_packed_ms"] + row["all_gather_ms"]
+        row["rs_a2a_peers_plus_ag_ms"] = row["reduce_scatter_a2a_peers_ms"] + row["all_gather_ms"]
+        row["all_reduce_plus_ag_ms"] = row["all_reduce_ms"] + row["all_gather_ms"]
         out[f"{mib:g}MiB"] = row
     return out
 
@@ -185,14 +285,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", nargs="*", default=DP_ARMS + TP_ARMS)
     parser.add_argument("--collectives", action="store_true", help="only time gloo's collectives")
+    parser.add_argument("--iters", type=int, default=15, help="--collectives: timed iterations per op and size")
     parser.add_argument("--out", default="scaling.json")
     args = parser.parse_args()
 
     if args.collectives:
-        sizes = [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]
-        result = spawn(_collectives_worker, 2, sizes, 10)[0]
+        sizes = [1.0, 4.0, 12.0, 16.0]
+        load_before = load_average()
+        result = spawn(_collectives_worker, 2, sizes, args.iters, threads=1)[0]
         path = write_json("scaling_collectives.json", {"benchmark": "scaling --collectives", "world": 2,
-                                                       "backend": "gloo", "median_ms": result})
+                                                       "backend": "gloo", "threads_per_rank": 1,
+                                                       "iterations": args.iters, "load_before": load_before,
+                                                       "load_after": load_average(), "median_ms": result})
         for size, row in result.items():
             print(size, "  ".join(f"{k} {v:.2f}" for k, v in row.items()))
         print(f"wrote {path}")
@@ -227,6 +331,10 @@ def main() -> None:
     results = {"single": row([single], "single", 1, 1)}
     for arm in args.arms:
         results[arm] = row(two, arm, 2, 1 if arm in TP_ARMS else 2)
+    for arm in args.arms:
+        if arm in VARIANTS and "zero1" in results:
+            results[arm]["over_zero1"] = results[arm]["tokens_per_s"] / results["zero1"]["tokens_per_s"]
+            results[arm]["over_zero1_cpu"] = results[arm]["tokens_per_cpu_s"] / results["zero1"]["tokens_per_cpu_s"]
     base = results["single"]
     for arm, r in results.items():
         r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["world"] * base["tokens_per_s"])

@@ -17,11 +17,14 @@ from lightning_npu.parallel.data_parallel import sync as grad_sync
 from tests._gpt_workers import SMALL_GPT
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
-               "all_gather_single")
+               "all_gather_single", "all_to_all_single")
 
 
 class Wire:
-    """Bytes this rank hands to torch.distributed collectives inside `grad_sync.reduce_bucket` (gradient traffic)."""
+    """Bytes this rank hands to torch.distributed collectives inside `grad_sync.reduce_bucket` (gradient traffic).
+
+    gloo's uncompressed ZeRO-1 buckets reduce-scatter by an all-to-all that hands over only the other ranks' rows,
+    (w-1)/w of the bucket; it counts as the bucket it reduces, as a reduce-scatter's input does."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -37,8 +40,12 @@ class Wire:
             def counted(*a, **k):
                 if self.inside:
                     t = a[0] if name == "all_reduce" else a[1]
-                    self.bytes += t.numel() * t.element_size()
                     group = k.get("group")
+                    nbytes = t.numel() * t.element_size()
+                    if name == "all_to_all_single":  # the other ranks' rows of the bucket it reduce-scatters
+                        world = dist.get_world_size(group)
+                        nbytes = nbytes * world // (world - 1)
+                    self.bytes += nbytes
                     self.groups.add(tuple(dist.get_process_group_ranks(group)) if group is not None else ())
                 return fn(*a, **k)
             return counted

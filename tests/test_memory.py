@@ -106,7 +106,7 @@ def test_bytes_per_rank_by_zero_stage(caplog):
         expected = {
             0: (full, full, 2 * full + steps),
             # + the fp32 master slices; on gloo the gradients stay whole in the in-place bucket buffer (one
-            # all-reduce, as DDP: gloo's reduce-scatter is slower), the reduce-scatter backends keep half
+            # all-to-all into this rank's rows: gloo's reduce-scatter is slower), the reduce-scatter backends keep half
             1: (full, full, 2 * half + half + steps),
             2: (half, half, 2 * half + steps),  # between steps FSDP2 holds only the shards (zero 2 unshards once)
             3: (half, half, 2 * half + steps),

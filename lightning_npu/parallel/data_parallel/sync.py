@@ -40,11 +40,16 @@ from lightning_npu.parallel.data_parallel import hierarchical
 
 def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = None, compressor: Any = None,
                   key: str = "", spec: Any = None, params: Optional[list[torch.Tensor]] = None, parts: int = 1,
-                  hierarchy: Any = None) -> Any:
+                  hierarchy: Any = None, peers: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Any:
     """Launch the SUM of one fp32 gradient bucket over the dp `group`; returns the async work.
 
     ``out=None``: all-reduce `flat` in place. Otherwise reduce-scatter `flat` (rank-major: rank r's part is
     the r-th of ``world`` equal chunks) into `out`. The caller waits and divides by the dp size.
+    ``peers=(send, recv)`` (gloo's in-place ZeRO-1 buckets, whose `flat` is parameter-major): a reduce-scatter as
+    one ``all_to_all_single`` that sends each other rank its rows (`send`, rank-major over the other ranks, packed
+    by the caller) and receives theirs of this rank's rows (`recv`); the caller adds `recv` into its rows of `flat`.
+    The bytes of a ring reduce-scatter, half an all-reduce's; gloo's own reduce-scatter costs more than its
+    all-reduce (docs/communication.md).
     With a `compressor` (`compression.Compressor`) the SUM is the compressed exchange of bucket `key`, run
     synchronously; a reduce-scatter is then a compressed all-reduce of which this rank keeps its chunk (the
     wire cost is the compressed all-reduce's, never more than the uncompressed reduce-scatter's for the lossy modes).
@@ -57,6 +62,11 @@ def reduce_bucket(flat: torch.Tensor, group: Any, out: Optional[torch.Tensor] = 
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             out.copy_(flat.view(world, -1)[rank])
         return hierarchical.DoneWork(flat if out is None else out)  # compressed: synchronous
+    if peers is not None:
+        send, recv = peers
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        splits = [0 if r == rank else send.numel() // (world - 1) for r in range(world)]  # nothing to itself
+        return dist.all_to_all_single(recv, send, splits, splits, group=group, async_op=True)
     if out is None:
         if hierarchy is not None and hierarchy.applies(flat):  # intra-node, inter-node, intra-node
             return hierarchy.all_reduce(flat)
@@ -119,6 +129,9 @@ class _Bucket:
         self.out: Optional[torch.Tensor] = None
         self.had_grad: list[bool] = []
         self.touched = False  # an in-place bucket a backward added to since the last sync
+        self.rank = rank
+        self.peer_plan: Optional[list[tuple[int, list[torch.Tensor], list[tuple[int, int]]]]] = None  # all-to-all
+        self.recv: Optional[torch.Tensor] = None
 
     def local_view(self, flat: torch.Tensor, s: _Slice) -> torch.Tensor:
         shape = (s.rows, *s.param.shape[1:]) if s.param.dim() else ()
@@ -126,7 +139,8 @@ class _Bucket:
 
     def make_inplace(self) -> None:
         """Gradients accumulate straight into one parameter-major fp32 buffer (``p.grad`` is a view of it), which
-        is all-reduced in place: no send-buffer copy, and this rank's rows of each parameter are views of it."""
+        is reduced in place (all-to-all into this rank's rows, `plan_all_to_all`, or all-reduce): no copy at launch
+        beyond the other ranks' rows, and this rank's rows of each parameter are views of it."""
         offset = 0
         for s in self.slices:
             s.full_offset = offset
@@ -137,6 +151,61 @@ class _Bucket:
         self._views = [self.flat[s.full_offset : s.full_offset + s.param.numel()].view_as(s.param)
                        for s in self.slices]
         self._view_of = {id(s): v for s, v in zip(self.slices, self._views)}
+
+    def plan_all_to_all(self) -> None:
+        """An in-place bucket reduce-scattered by `reduce_bucket`'s all-to-all (gloo): for each other rank, the views
+        of its rows of every parameter in `flat` and where they go in the send buffer (rank-major over the other
+        ranks, each rank's part laid out as its reduced slices are, `_Slice.offset`), and this rank's own rows."""
+        assert self.flat is not None and self.world > 1
+        self.peer_plan = []
+        for i, q in enumerate(r for r in range(self.world) if r != self.rank):
+            srcs, dsts = [], []
+            for s in self.slices:
+                rows = s.param.shape[0]
+                start = min(rows, q * s.chunk_rows)
+                n = (max(0, min(rows, start + s.chunk_rows) - start)) * s.row_numel
+                if n:
+                    a = s.full_offset + start * s.row_numel
+                    srcs.append(self.flat[a : a + n])
+                    dsts.append((i * self.total + s.offset, n))
+            self.peer_plan.append((i, srcs, dsts))
+        self._own = [(self.grad_view(s).view(-1), s.offset) for s in self.slices if s.rows]
+
+    def launch_all_to_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The send buffer (the other ranks' rows, one copy) and an empty receive buffer, for `reduce_bucket`."""
+        assert self.peer_plan is not None
+        send = torch.empty((self.world - 1) * self.total, dtype=torch.float32, device=self.flat.device)
+        srcs = [v for _, views, _ in self.peer_plan for v in views]
+        dsts = [send[a : a + n] for _, _, places in self.peer_plan for a, n in places]
+        if srcs:
+            torch._foreach_copy_(dsts, srcs)
+        self.recv = torch.empty_like(send)
+        return send, self.recv
+
+    def add_received(self) -> None:
+        """After the all-to-all: the other ranks' parts of this rank's rows added into them, the SUM averaged."""
+        assert self.recv is not None
+        own = [v for v, _ in self._own]
+        if own:
+            for i in range(self.world - 1):
+                base = i * self.total
+                torch._foreach_add_(own, [self.recv[base + o : base + o + v.numel()] for v, o in self._own])
+            torch._foreach_div_(own, self.divide_by)
+        self.recv = None
+
+    def rescale_pending(self) -> None:
+        """Before a backward adds to reduced rows that no ``zero_grad`` cleared (manual optimization, LBFGS): this
+        rank's rows hold the mean and the other ranks' rows this rank's unreduced gradient. Make the rows a SUM's
+        share again (mean x divisor, the others' rows zero), so that the next all-to-all gives mean + new mean."""
+        if not self.pending or self.peer_plan is None:
+            return
+        own = [v for v, _ in self._own]
+        if own:
+            torch._foreach_mul_(own, self.divide_by)
+        peers = [v for _, views, _ in self.peer_plan for v in views]
+        if peers:
+            torch._foreach_zero_(peers)
+        self.pending = False
 
     def full_view(self, s: _Slice) -> torch.Tensor:
         """A parameter's whole gradient in the in-place buffer (what ``p.grad`` is)."""
@@ -163,10 +232,12 @@ class GradientBuckets:
 
     Two ways to reduce a sharded bucket, the fastest per backend (``inplace=None`` picks):
 
-    * in place (gloo, whose reduce-scatter costs ~4x its all-reduce of the same bytes): each bucket is one
+    * in place (gloo, whose own reduce-scatter costs more than its all-reduce of the same bytes): each bucket is one
       parameter-major fp32 buffer, ``p.grad`` a view of it, so backward accumulates straight into it (Megatron's
-      contiguous gradient buffer); one in-place all-reduce per bucket; this rank's ``Shard(0)`` rows are views of
-      the result, so ``.grad`` and checkpoints keep their layout;
+      contiguous gradient buffer). Its reduce-scatter is one ``all_to_all_single`` per bucket: each rank sends the
+      others their rows (packed once, the only copy) and adds what it receives into its own rows in place, half an
+      all-reduce's bytes (``inplace_reduction = "all_reduce"``: the in-place all-reduce measured against it). This
+      rank's ``Shard(0)`` rows are views of the buffer, so ``.grad`` and checkpoints keep their layout;
     * reduce-scatter (NCCL, HCCL): the local gradients are copied once into a rank-major send buffer at launch, as
       FSDP2 does (a gradient cannot be a view of a rank-major buffer: its rows land in every rank's chunk), and
       each rank receives only its rows.
@@ -174,6 +245,10 @@ class GradientBuckets:
     Each `add` may name its own `mesh` (the group its buckets reduce over) and `divide_by` (the ranks the mean is
     over, default that group's size): expert parameters reduce over the ranks holding them, divided by dp.
     """
+
+    # how an in-place sharded bucket is reduced: "all_to_all" (a reduce-scatter of half an all-reduce's bytes,
+    # measured faster on gloo, benchmarks/scaling.py --collectives) or "all_reduce" (every rank gets every row)
+    inplace_reduction = "all_to_all"
 
     def __init__(self, params: list[nn.Parameter], dp_mesh: DeviceMesh, bucket_size_mb: float, shard: bool,
                  overlap: bool, compressor: Any = None, key_prefix: str = "buckets", hierarchy: Any = None,
@@ -217,6 +292,8 @@ class GradientBuckets:
             elif self.inplace and bucket.dtype == torch.float32 and not any(
                     isinstance(p, DTensor) for p in bucket.params):  # a plain `.grad` cannot be a DTensor's
                 bucket.make_inplace()
+                if self.inplace_reduction == "all_to_all" and bucket.world > 1:
+                    bucket.plan_all_to_all()
                 for s in bucket.slices:
                     if s.param.requires_grad:
                         s.param.grad = bucket.full_view(s)
@@ -249,6 +326,7 @@ class GradientBuckets:
             for bucket in self.buckets:
                 if bucket.flat is None:
                     continue
+                bucket.rescale_pending()
                 for s in bucket.slices:
                     p = s.param
                     if not p.requires_grad:
@@ -281,9 +359,11 @@ class GradientBuckets:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.flat is not None:  # the gradients are already in the buffer: one in-place all-reduce
+        if bucket.flat is not None:  # the gradients are already in the buffer: all-to-all (or all-reduce) in place
             bucket.out = bucket.flat
-            bucket.work = reduce_bucket(bucket.flat, bucket.group)
+            peers = bucket.launch_all_to_all() if bucket.peer_plan is not None else None
+            bucket.send = None if peers is None else peers[0]  # alive until the work is done
+            bucket.work = reduce_bucket(bucket.flat, bucket.group, peers=peers)
             bucket.launched = True
             return
         bucket.had_grad = [p.grad is not None for p in bucket.params]
@@ -329,9 +409,14 @@ class GradientBuckets:
         self._launch_ready()
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.out.div_(bucket.divide_by)
+            if bucket.recv is not None:  # all-to-all: only this rank's rows are reduced (and averaged)
+                bucket.add_received()
+            else:
+                bucket.out.div_(bucket.divide_by)
             if bucket.flat is not None:
-                pass  # the reduced rows are views of the buffer; a later backward adds to it (manual optimization)
+                # the reduced rows are views of the buffer; a later backward adds to it (manual optimization), after
+                # `rescale_pending` where the other ranks' rows were not reduced
+                bucket.pending = bucket.peer_plan is not None
             elif self.shard:
                 if bucket.out is not bucket.grad:
                     # a replicated bucket (all-reduced in place), or one launched inside a pipeline schedule before
