@@ -104,17 +104,10 @@ for _t in ("loops/test_evaluation_loop.py::test_evaluation_loop_sampler_set_epoc
     EXPECTED[_t] = _DDP_FAMILY
 EXPECTED["loops/optimization/test_closure.py::test_optimizer_step_no_closure_raises"] = EXPECTED[
     "trainer/optimization/test_manual_optimization.py::test_step_with_optimizer_closure_with_different_frequencies"]
-_PBAR = (
-    "it keeps `trainer.progress_bar_callback` from before fit; the strategy puts its resumable subclass of that bar "
-    "in its place at setup (same options and state; a mid-epoch resume counts from the resumed batch), so the "
-    "reference is to the replaced object"
-)
 EXPECTED["loops/test_loops.py::test_loop_state_on_exception"] = (
     "the fit loop's state holds the resumable sampler's position (`combined_loader`: epoch, consumed samples, "
     "dataset size), so that a mid-epoch resume continues at the next sample; Lightning's has none"
 )
-EXPECTED["loops/test_training_loop.py::test_progress_bar_steps"] = _PBAR
-EXPECTED["loops/test_training_loop.py::test_tqdm_total_steps_with_iterator_no_length"] = _PBAR
 
 # ZeRO-3 only: the default checkpoint form there is a sharded DCP directory (save_distributed_checkpoint=None)
 _SHARDED = (
