@@ -52,7 +52,7 @@ from lightning_npu.parallel.data_parallel.hierarchical import setup_hierarchy
 from lightning_npu.parallel.data_parallel.sampler import resumable_dataloader
 from lightning_npu.parallel.data_parallel.sync import GradientSync
 from lightning_npu.parallel.data_parallel.wrap import is_fully_sharded, is_sharded_root
-from lightning_npu.parallel.mesh import build_mesh
+from lightning_npu.parallel.mesh import build_mesh, dp_rank_of
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import (
@@ -301,7 +301,12 @@ class NPUHybridStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
+        """The sampler splits over ``dp`` only (tp/pp/cp peers read the same batch); before the mesh exists (Lightning's
+        data connector asked outside ``fit``) the layout gives the same answer."""
+        if self._device_mesh is None:
+            cfg = self.parallel_config.resolve(self.world_size)
+            return {"num_replicas": cfg.dp, "rank": dp_rank_of(cfg.mesh_shape, self.global_rank)}
+        dp_mesh = self._device_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     # ---- precision ----------------------------------------------------------------------
