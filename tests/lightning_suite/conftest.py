@@ -186,16 +186,19 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Config) -> None:
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities import CombinedLoader
 
+    stateful = (Callback, CombinedLoader)
     for item in items:
         if _HERE not in Path(str(item.fspath)).parents:
             continue
-        # each stage runs with its own copies of parametrized callbacks (Lightning's tests build them at collection
-        # and run once; a second run with the same EarlyStopping objects would start from the first one's state)
+        # each stage runs with its own copies of parametrized callbacks and CombinedLoaders (Lightning's tests build
+        # them at collection and run once; a second run with the same EarlyStopping objects would start from the
+        # first one's state, and the data connector swaps a CombinedLoader's loaders in place for sampler-wrapped ones)
         callspec = getattr(item, "callspec", None)
         for key, value in list(getattr(callspec, "params", {}).items()):
-            if isinstance(value, Callback) or (isinstance(value, (list, tuple))
-                                               and any(isinstance(v, Callback) for v in value)):
+            if isinstance(value, stateful) or (isinstance(value, (list, tuple))
+                                               and any(isinstance(v, stateful) for v in value)):
                 callspec.params[key] = copy.deepcopy(value)
         item.add_marker(pytest.mark.lightning_suite)
         base = item.nodeid.split("tests_pytorch/", 1)[-1].replace("[zero1]", "").replace("[zero3]", "")
