@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+from lightning_npu.parallel.optim.mixed_precision import stepped_groups, unwrap_optimizer
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def _optimizer_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
         seen.add(id(opt))
         for state in opt.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-        for group in opt.param_groups:  # masters: what the optimizer steps instead of the model's own parameters
+        for group in stepped_groups(opt):  # masters: what the optimizer steps instead of the model's own parameters
             yield from group["params"]
     yield from getattr(optimizer, "masters", ())  # ZeRO-1: the flat fp32 slices the masters view
 

@@ -10,6 +10,7 @@ launchers (popen/spawn/fork, torchrun, SLURM), collectives and checkpoint IO are
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -51,7 +52,7 @@ from lightning_npu.parallel.data_parallel.hierarchical import setup_hierarchy
 from lightning_npu.parallel.data_parallel.sampler import resumable_dataloader
 from lightning_npu.parallel.data_parallel.sync import GradientSync
 from lightning_npu.parallel.data_parallel.wrap import is_fully_sharded, is_sharded_root
-from lightning_npu.parallel.mesh import build_mesh
+from lightning_npu.parallel.mesh import build_mesh, dp_rank_of
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
 from lightning_npu.parallel.optim.mixed_precision import (
@@ -302,7 +303,12 @@ class NPUHybridStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
+        """The sampler splits over ``dp`` only (tp/pp/cp peers read the same batch); before the mesh exists (Lightning's
+        data connector asked outside ``fit``) the layout gives the same answer."""
+        if self._device_mesh is None:
+            cfg = self.parallel_config.resolve(self.world_size)
+            return {"num_replicas": cfg.dp, "rank": dp_rank_of(cfg.mesh_shape, self.global_rank)}
+        dp_mesh = self._device_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     # ---- precision ----------------------------------------------------------------------
@@ -461,13 +467,6 @@ class NPUHybridStrategy(DDPStrategy):
             self._grad_sync.finish()
 
     def setup_optimizers(self, trainer: Any) -> None:
-        finetuning = [type(c).__name__ for c in getattr(trainer, "callbacks", ()) if isinstance(c, BaseFinetuning)]
-        if finetuning and self.parallel_config.uses_distributed_optimizer:
-            raise ValueError(
-                f"Lightning's BaseFinetuning ({finetuning[0]}) names the parameters in `optimizer.param_groups` by the "
-                "module's parameters, but under zero_stage=1 the groups hold each rank's fp32 slices of them. Use "
-                "zero_stage=3 (or 2, or 0), or unfreeze and call `optimizer.add_param_group` from your own callback."
-            )
         super().setup_optimizers(trainer)
         if self._params_before is not None:
             rebind([unwrap_optimizer(o) for o in self.optimizers], self._params_before, self.lightning_module)
@@ -699,8 +698,10 @@ class NPUHybridStrategy(DDPStrategy):
                 loaded = ckpt_format.restore_loader_state(super().load_checkpoint(path, weights_only=True))
             self._load_compression_state(loaded)
             return loaded
+        optimizers = [] if self._without_optimizer else [unwrap_optimizer(o) for o in self.optimizers]
+        if optimizers and ckpt.is_sharded_checkpoint(path):  # the saved optimizer state covers the groups BaseFinetuning had added: put them back first
+            self._restore_finetuning_groups(ckpt.read_meta(path))
         with self._masters_as_parameters():  # bf16/16-true: restores the fp32 masters, then the 16-bit params
-            optimizers = [] if self._without_optimizer else [unwrap_optimizer(o) for o in self.optimizers]
             loaded = ckpt.load_directory(path, module, optimizers, module.strict_loading,
                                        pipelined=self._pipeline is not None)
         self._load_compression_state(loaded)
@@ -752,14 +753,20 @@ class NPUHybridStrategy(DDPStrategy):
             for opt, s in zip(self.optimizers, checkpoint["optimizer_states"])]}
         super().load_optimizer_state_dict(checkpoint)
 
-    def _restore_finetuning_groups(self) -> None:
+    def _restore_finetuning_groups(self, checkpoint: Optional[Mapping[str, Any]] = None) -> None:
         """Lightning's `BaseFinetuning` puts back the param groups it had added in `on_fit_start`, which under
         Lightning's own strategies runs after the checkpoint's callback states load and before its optimizer states do.
         Here the checkpoint is restored after setup (`restore_checkpoint_after_setup`), so after `on_fit_start`: the
-        groups are put back here, before the optimizer state (saved with them) loads."""
+        groups are put back here, before the optimizer state (saved with them) loads. `checkpoint`: a sharded
+        directory's metadata, whose callback states Lightning loads only after the directory (optimizers included)."""
         trainer = self.lightning_module.trainer
+        saved = (checkpoint or {}).get("callbacks") or {}
         for callback in trainer.callbacks:
-            if isinstance(callback, BaseFinetuning) and callback._restarting:
+            if not isinstance(callback, BaseFinetuning):
+                continue
+            if checkpoint is not None and saved.get(callback.state_key):
+                callback.load_state_dict(copy.deepcopy(saved[callback.state_key]))
+            if callback._restarting:
                 callback.on_fit_start(trainer, self.lightning_module)
 
     def teardown(self) -> None:

@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_npu.parallel.optim.mixed_precision import stepped_params
+
 
 class StepSeeded(L.LightningModule):
     def __init__(
@@ -85,7 +87,7 @@ class StepSeeded(L.LightningModule):
         poisoned = step in self.nan_at or (self.nan_from is not None and step >= self.nan_from)
         if poisoned and self.global_rank in self.nan_ranks:
             # the gradient the optimizer steps with: the model's (DDP), or its reduced slice (npu_hybrid ZeRO-1)
-            stepped = [p for g in self.trainer.optimizers[0].param_groups for p in g["params"]]
+            stepped = stepped_params(self.trainer.optimizers[0])
             grads = [p.grad for p in stepped + list(self.parameters()) if p.grad is not None]
             grad = next(g.to_local() if hasattr(g, "to_local") else g for g in grads if g.numel() > 0)
             grad.view(-1)[0] = float("nan")

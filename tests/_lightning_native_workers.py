@@ -156,7 +156,12 @@ def fit_lr_monitor(strategy: Any, precision: str = "32-true", devices: int = 2, 
         "state": {k: v.detach().clone() for k, v in lightning_npu.full_state_dict(model).items()}
         if isinstance(strategy, NPUHybridStrategy) else {k: v.detach().clone() for k, v in model.state_dict().items()},
         "scheduler_on_user_optimizer": config.scheduler.optimizer is user and type(user) is torch.optim.AdamW,
-        "groups_shared": user.param_groups is shown.param_groups,
+        # the Trainer's optimizer's groups are the user's group dicts (ZeRO-1 shows them through `ModelParamGroup`,
+        # with the model's parameters in place of the fp32 slices it steps): one lr, written and read by both
+        "groups_shared": len(shown.param_groups) == len(user.param_groups) and all(
+            getattr(s, "group", s) is u for s, u in zip(shown.param_groups, user.param_groups)),
+        "shows_model_params": {id(p) for g in shown.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
         "wrapper": type(shown).__name__,
         "order_warnings": [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)],
         "log_dir": trainer.logger.log_dir,

@@ -11,6 +11,7 @@ import torch
 import lightning_npu
 from examples.gpt.model import GPTModule
 from lightning_npu import HybridPrecision, NPUHybridStrategy
+from lightning_npu.parallel.optim.mixed_precision import stepped_params
 from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 
@@ -50,7 +51,7 @@ class Recorder(L.Callback):
         # after the gradient reduction (DDP's all-reduce, ZeRO-1's reduce-scatter): only this rank's gradient holds
         # the inf; ZeRO-1 steps its reduced slices (the optimizer's parameters), DDP the model's gradients
         if trainer.global_step in self.inject_inf_at and trainer.global_rank == self.inject_rank:
-            stepped = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+            stepped = stepped_params(trainer.optimizers[0])
             grads = [p.grad for p in stepped + list(pl_module.parameters()) if p.grad is not None]
             grad = next(g.to_local() if hasattr(g, "to_local") else g for g in grads if g.numel() > 0)
             grad.view(-1)[0] = float("inf")

@@ -20,6 +20,7 @@ from examples.gpt.model import GPTModule
 from lightning_npu import NPUHybridStrategy
 from lightning_npu.parallel.checkpoint import sharded as ckpt
 from lightning_npu.parallel.data_parallel import wrap as data_parallel
+from lightning_npu.parallel.optim.mixed_precision import stepped_params
 from tests._gpt_workers import SMALL_GPT, parity_trainer
 
 
@@ -122,7 +123,7 @@ class Probe(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grad_bytes.append(_bytes(p.grad for p in pl_module.parameters() if p.grad is not None))
         # the gradients the optimizer steps with: ZeRO 1's reduced slices, FSDP2's shards, DDP's full gradients
-        stepped = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        stepped = [p.grad for p in stepped_params(optimizer) if p.grad is not None]
         self.step_grad_bytes.append(_bytes(stepped))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

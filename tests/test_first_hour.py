@@ -38,8 +38,9 @@ def test_summary_counts_the_whole_model(ranks, layout):
 def test_progress_bar_after_a_mid_epoch_resume_counts_from_the_resumed_batch(tmp_path, bar):
     """Lightning skips `on_train_epoch_start` on a mid-epoch resume: its tqdm bar read `5/?` at a rate of 5 batches
     over one, rich's total was the remaining steps (`5/3`). One process, in-process: BoringModel's 32-batch epoch,
-    2 batches a step, resumed at step 2 (batch 4) with max_steps=5: 6 more batches, of 10 in the epoch."""
-    seen, first = [], []
+    2 batches a step, resumed at step 2 (batch 4) with max_steps=5: 6 more batches, of 10 in the epoch. The bar is
+    the user's own object throughout."""
+    seen, first, bars = [], [], []
 
     class Probe(L.Callback):
         def on_train_epoch_start(self, trainer, pl_module):
@@ -58,15 +59,17 @@ def test_progress_bar_after_a_mid_epoch_resume_counts_from_the_resumed_batch(tmp
                              t.description))
 
     def fit(max_steps, callbacks, ckpt_path=None):
+        bars.append(bar())
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy="npu_hybrid", max_steps=max_steps,
                             accumulate_grad_batches=2, limit_val_batches=0, logger=False, enable_model_summary=False,
-                            default_root_dir=tmp_path, callbacks=[bar(), *callbacks])
+                            default_root_dir=tmp_path, callbacks=[bars[-1], *callbacks])
         trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        assert trainer.progress_bar_callback is bars[-1]
 
     fit(2, [ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="mid", every_n_train_steps=2), Probe()])
     seen.clear()
     fit(5, [Probe()], ckpt_path=str(tmp_path / "ckpt" / "mid.ckpt"))
-    name = {TQDMProgressBar: "ResumableTQDMProgressBar", RichProgressBar: "ResumableRichProgressBar"}[bar]
+    name = bar.__name__
     if bar is TQDMProgressBar:
         assert [s[:4] for s in seen] == [(name, 4, 4 + i, 10) for i in range(1, 7)]
     else:

@@ -98,13 +98,14 @@ def test_dp_zero_stages(dp2):
 def check_lr_monitor(rank: dict) -> None:
     """Exactly Lightning's keys and values (one ``lr-AdamW`` per param group, decayed as scheduled); the schedule is
     the one stepped (parameters equal "ddp"'s); no scheduler-order warning; the scheduler holds the user's AdamW,
-    whose param_groups are the Trainer's optimizer's."""
+    whose param_groups are the Trainer's optimizer's, which show the model's parameters."""
     ddp = rank["lr-ddp"]
     assert ddp["lrs"] == LR_EXPECTED
     for name, *_ in LR_LAYOUTS[1:]:
         got = rank[f"lr-{name}"]
         assert got["lrs"] == ddp["lrs"], name
         assert got["order_warnings"] == [] and got["scheduler_on_user_optimizer"] and got["groups_shared"], name
+        assert got["shows_model_params"], name  # as under DDP (BaseFinetuning finds its groups by them)
         if "bf16" not in name:
             for key, value in ddp["state"].items():
                 close(got["state"][key], value, f"{name} {key}")

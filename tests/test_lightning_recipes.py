@@ -122,18 +122,8 @@ class Unfreeze(BaseFinetuning):
     def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
         if epoch == 1:
             self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.05, initial_denom_lr=1.0)
-
-
-class AddGroup(L.Callback):
-    """BaseFinetuning's steps without its bookkeeping (which ZeRO-1 refuses): freeze, then `add_param_group`."""
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        pl_module.backbone.requires_grad_(False)
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.current_epoch == 1:
-            pl_module.backbone.requires_grad_(True)
-            trainer.optimizers[0].add_param_group({"params": list(pl_module.backbone.parameters()), "lr": 0.05})
+        elif epoch > 1:  # resumed: `freeze_before_training` froze it again at setup; its group came back
+            self.make_trainable(pl_module.backbone)
 
 
 class WithMetric(BoringModel):
@@ -282,17 +272,30 @@ def _no_optimizer(root: str) -> dict[str, Any]:
 def _finetuning(root: str) -> dict[str, Any]:
     def fit(stage: int) -> dict[str, Any]:
         L.seed_everything(0)
-        model, monitor = Finetuned(), LearningRateMonitor(logging_interval="step")
+        model, monitor, data = Finetuned(), LearningRateMonitor(logging_interval="step"), _data()
         init = copy.deepcopy(model.state_dict())
-        trainer = _trainer(_strategy(stage), max_epochs=2, callbacks=[AddGroup() if stage == 1 else Unfreeze(), monitor],
+        strategy = _strategy(stage, save_distributed_checkpoint=True) if stage == 1 else _strategy(stage)
+        trainer = _trainer(strategy, max_epochs=2, callbacks=[Unfreeze(), monitor],
                            logger=CSVLogger(f"{root}/logs{stage}"), log_every_n_steps=1)
-        trainer.fit(model, train_dataloaders=_data())
-        return {"init": init, "batches": _global_batches(model), "state": _state(model, stage),
-                "lrs": {k: [float(v) for v in vals] for k, vals in monitor.lrs.items()}}
+        trainer.fit(model, train_dataloaders=data)
+        out = {"init": init, "batches": _global_batches(model), "state": _state(model, stage),
+               "lrs": {k: [float(v) for v in vals] for k, vals in monitor.lrs.items()}}
+        if stage == 0:
+            return out
+        # resumed from a sharded directory: BaseFinetuning's group is back before the optimizer state loads
+        path = f"{root}/finetuned{stage}"
+        trainer.save_checkpoint(path)
+        resumed, monitor = Finetuned(), LearningRateMonitor(logging_interval="step")
+        strategy = _strategy(stage, save_distributed_checkpoint=True) if stage == 1 else _strategy(stage)
+        trainer = _trainer(strategy, max_epochs=3, callbacks=[Unfreeze(), monitor],
+                           logger=CSVLogger(f"{root}/resumed{stage}"), log_every_n_steps=1)
+        trainer.fit(resumed, train_dataloaders=data, ckpt_path=path)
+        out["resumed"] = {"directory": Path(path).is_dir(), "batches": _global_batches(resumed),
+                          "state": _state(resumed, stage),
+                          "lrs": {k: [float(v) for v in vals] for k, vals in monitor.lrs.items()}}
+        return out
 
-    out: dict[str, Any] = {stage: _attempt(fit, stage) for stage in STAGES}
-    out["basefinetuning_zero1"] = _error(lambda: _trainer(_strategy(1), callbacks=[Unfreeze()]).fit(Finetuned()))
-    return out
+    return {stage: _attempt(fit, stage) for stage in STAGES}
 
 
 def _accumulation(root: str) -> dict[str, Any]:
@@ -412,12 +415,14 @@ def test_training_without_an_optimizer(ranks):
 
 
 def test_add_param_group_while_training(ranks):
-    """A frozen backbone joins the optimizer at epoch 1 (BaseFinetuning under ZeRO 0/3, `add_param_group` under
-    ZeRO-1): its steps reach the masters, the ZeRO-1 slices and DDP's late-unfrozen gradients, as one process
-    replays them; LearningRateMonitor logs both groups. BaseFinetuning under ZeRO-1 is refused with the fix."""
+    """A frozen backbone joins the optimizer at epoch 1 through Lightning's BaseFinetuning, at dp = 2: its steps reach
+    the masters, the ZeRO-1 slices and DDP's late-unfrozen gradients, as one process replays them;
+    LearningRateMonitor logs both groups. Resumed from a sharded directory (ZeRO 1 and 3), the group is back before
+    its optimizer state (momentum) loads: the third epoch continues the replay."""
     for rank, got in enumerate(_case(ranks, "finetuning")):
         for stage in STAGES:
             run = _ran(got[stage])
+            resumed = run.get("resumed")
             model = Finetuned()
             model.load_state_dict(run["init"])
             model.backbone.requires_grad_(False)
@@ -427,12 +432,24 @@ def test_add_param_group_while_training(ranks):
                     model.backbone.requires_grad_(True)
                     opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 0.05})
 
-            expected = _replay(model, run["batches"], lambda i: 1, unfreeze)
-            for key, value in expected.items():
+            opt_steps: list[dict[str, torch.Tensor]] = []
+            batches = run["batches"] + (resumed["batches"] if resumed else [])
+
+            def replay_groups(step: int, opt: torch.optim.Optimizer) -> None:
+                if step == len(run["batches"]):
+                    opt_steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+                unfreeze(step, opt)
+
+            expected = _replay(model, batches, lambda i: 1, replay_groups)
+            first = opt_steps[0] if resumed else expected
+            for key, value in first.items():
                 close(run["state"][key], value, f"rank {rank} zero {stage} {key}")
             assert run["lrs"] == {"lr-SGD/pg1": [0.1] * 4, "lr-SGD/pg2": [0.05] * 2}, (stage, run["lrs"])
-        refused = got["basefinetuning_zero1"]
-        assert "BaseFinetuning (Unfreeze)" in refused and "zero_stage=3" in refused, refused
+            if resumed:
+                assert resumed["directory"] and len(resumed["batches"]) == 2, (stage, resumed)
+                for key, value in expected.items():
+                    close(resumed["state"][key], value, f"rank {rank} zero {stage} resumed {key}")
+                assert resumed["lrs"] == {"lr-SGD/pg1": [0.1] * 2, "lr-SGD/pg2": [0.05] * 2}, (stage, resumed["lrs"])
 
 
 def test_trained_module_pickles(ranks):

@@ -34,6 +34,9 @@ FIXED = {
         "no DDP wrapper at dp = 1 (parameters unused in forward)",
     "callbacks/test_early_stopping.py::test_multiple_early_stopping_callbacks[zero3-callbacks0-3-False-auto-1-None]":
         "early stopping under ZeRO-3",
+    "trainer/connectors/test_data_connector.py::test_eval_distributed_sampler_warning[zero1-2-warns]":
+        "the sampler's split (distributed_sampler_kwargs) is known outside fit, from the layout",
+    "trainer/test_dataloaders.py::test_warning_on_zero_len_dataloader[zero3]": "the same, Lightning's warning kept",
 }
 
 

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_npu.launch import spawn
 from lightning_npu.parallel.data_parallel.sampler import ResumableDataLoader, resumable_dataloader
+from lightning_npu.parallel.mesh import dp_rank_of
 from tests._sampler_workers import STEP4, run_many
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -114,6 +115,30 @@ def test_only_plain_map_style_loaders_are_converted():
         DataLoader(data, batch_sampler=[[0, 1], [2, 3]]),  # a custom batch sampler
     ):
         assert resumable_dataloader(loader) is loader
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2), (1, 2, 2, 2), (2, 1, 2, 2)])
+def test_dp_rank_before_the_mesh_is_the_meshs(shape):
+    """`init_device_mesh` lays the ranks out row-major over (pp, dp[, cp], tp): the dp coordinate the strategy gives
+    Lightning's data connector before the processes start is the one the mesh gives after."""
+    world = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    for rank in range(world.numel()):
+        assert dp_rank_of(shape, rank) == int((world == rank).nonzero()[0][1]), (shape, rank)
+
+
+def test_distributed_sampler_kwargs_outside_fit():
+    """Lightning's data connector asks for the sampler's split outside `fit` (its own tests, a user's
+    `trainer._data_connector`): answered from the layout as DDPStrategy answers from its devices, not refused."""
+    import lightning as L
+
+    from lightning_npu import NPUHybridStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=NPUHybridStrategy(tensor_parallel_size=2),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = trainer.strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    strategy.cluster_environment.set_global_rank(3)  # tp peers 2, 3 are dp rank 1
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
 
 
 # ---- real processes: uninterrupted 8 steps vs 4 steps, a step-4 checkpoint (DCP directory), a fresh resume to 8 ----

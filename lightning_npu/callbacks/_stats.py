@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from lightning_npu.parallel.optim import grad_norm as gn
-from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, unwrap_optimizer
+from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, stepped_params, unwrap_optimizer
 
 
 def _pp_group(pl_module: Any) -> Any:
@@ -22,7 +22,7 @@ def _pp_group(pl_module: Any) -> Any:
 
 
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+    return stepped_params(optimizer)
 
 
 def gradient_statistics(trainer: Any, pl_module: Any, optimizer: Any) -> torch.Tensor:

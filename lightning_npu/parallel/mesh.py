@@ -24,6 +24,16 @@ def build_mesh(device_type: str, pp: int, dp: int, tp: int, cp: int = 1) -> Devi
     return mesh
 
 
+def dp_rank_of(mesh_shape: tuple[int, ...], rank: int) -> int:
+    """The ``dp`` coordinate of a global rank in `build_mesh`'s layout (`init_device_mesh` lays the ranks out
+    row-major over `mesh_shape`), known before any process group exists: Lightning's data connector may ask for the
+    sampler's rank before ``Trainer.fit`` initialises the processes (as `DDPStrategy` answers it)."""
+    inner = 1
+    for size in mesh_shape[2:]:
+        inner *= size
+    return (rank // inner) % mesh_shape[1]
+
+
 def has_cp(mesh: DeviceMesh) -> bool:
     return mesh is not None and "cp" in (mesh.mesh_dim_names or ())
 

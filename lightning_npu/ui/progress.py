@@ -7,15 +7,16 @@ time). `RichProgressBar` creates its task at the first batch end, which leaves i
 first sample), but its total under ``max_steps`` is the remaining steps, fewer than the batches it already shows
 done (``8/4``). The subclasses here do at the first batch of such an epoch what the skipped hook does, with the
 count starting at the resumed batch, and any epoch's total counts batches (Lightning's counts the remaining
-optimizer steps, short by ``accumulate_grad_batches`` times: ``3/?`` at 2). The strategy puts them in place of
-Lightning's own bars at setup.
+optimizer steps, short by ``accumulate_grad_batches`` times: ``3/?`` at 2). `ResumedEpochProgress`, a callback the
+strategy puts right after Lightning's bar at setup, does that to the user's own bar object (a reference to
+``trainer.progress_bar_callback`` taken before fit stays the bar that is drawn).
 """
 
 from __future__ import annotations
 
 from typing import Any, Union
 
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 
 
@@ -29,71 +30,60 @@ def resumed_total(trainer: Any, batch_idx: int) -> Union[int, float]:
     return total
 
 
-class _ResumedEpoch:
-    """Notes whether the current training epoch ran ``on_train_epoch_start``; the first batch of one that did not
-    (a mid-epoch resume) calls `_start_resumed_epoch`."""
+class ResumedEpochProgress(Callback):
+    """Acts on the trainer's Lightning bar (`TQDMProgressBar` or `RichProgressBar`, exactly: a subclass draws as it
+    likes): each epoch's total counts batches, and the first batch of an epoch that skipped
+    ``on_train_epoch_start`` (a mid-epoch resume) does what that hook does, counting from the resumed batch."""
 
-    _epoch_started = False
+    def __init__(self) -> None:
+        self._epoch_started = False
 
-    @property
-    def total_train_batches(self) -> Union[int, float]:
-        # Lightning's bounds the epoch by the remaining optimizer steps, not batches, and only with max_epochs=-1
-        return resumed_total(self.trainer, 0)  # type: ignore[attr-defined]
+    @staticmethod
+    def _bar(trainer: Any) -> Any:
+        bar = trainer.progress_bar_callback
+        return bar if type(bar) in (TQDMProgressBar, RichProgressBar) and not bar.is_disabled else None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._epoch_started = False
-        super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._epoch_started = True
-        super().on_train_epoch_start(trainer, pl_module)  # type: ignore[misc]
+        bar = self._bar(trainer)
+        total = resumed_total(trainer, 0)  # Lightning's bounds the epoch by optimizer steps (max_epochs=-1)
+        if isinstance(bar, TQDMProgressBar) and bar._train_progress_bar is not None:
+            bar.train_progress_bar.total = convert_inf(total)
+            bar.train_progress_bar.refresh()
+        elif isinstance(bar, RichProgressBar) and bar.progress is not None and bar.train_progress_bar_id is not None:
+            bar.progress.update(bar.train_progress_bar_id, total=total)
+            bar.refresh()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self._epoch_started:
-            self._epoch_started = True
-            if not self.is_disabled:  # type: ignore[attr-defined]
-                self._start_resumed_epoch(trainer, batch_idx)
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # type: ignore[misc]
-
-    def _start_resumed_epoch(self, trainer: Any, batch_idx: int) -> None:
-        raise NotImplementedError
-
-
-class ResumableTQDMProgressBar(_ResumedEpoch, TQDMProgressBar):
-    """`TQDMProgressBar` whose bar, resumed mid-epoch, starts at the resumed batch (tqdm's rate counts from
-    ``initial``) with the epoch's total."""
-
-    def _start_resumed_epoch(self, trainer: Any, batch_idx: int) -> None:
-        bar = self.train_progress_bar
-        bar.reset(total=convert_inf(resumed_total(trainer, batch_idx)))  # the clock starts now
-        bar.initial = bar.n = bar.last_print_n = batch_idx
-        bar.set_description(f"Epoch {trainer.current_epoch}")
-
-
-class ResumableRichProgressBar(_ResumedEpoch, RichProgressBar):
-    """`RichProgressBar` whose task, resumed mid-epoch, starts at the resumed batch with the epoch's total."""
-
-    def _start_resumed_epoch(self, trainer: Any, batch_idx: int) -> None:
-        if self.progress is None:
+        if self._epoch_started:
             return
-        if self.train_progress_bar_id is None:
-            self._initialize_train_progress_bar_id()
-        self.progress.reset(self.train_progress_bar_id, total=resumed_total(trainer, batch_idx), completed=batch_idx,
-                            description=self._get_train_description(trainer.current_epoch), visible=True)
-        self.refresh()
+        self._epoch_started = True
+        bar = self._bar(trainer)
+        if isinstance(bar, TQDMProgressBar):
+            tqdm_bar = bar.train_progress_bar
+            tqdm_bar.reset(total=convert_inf(resumed_total(trainer, batch_idx)))  # the clock starts now
+            tqdm_bar.initial = tqdm_bar.n = tqdm_bar.last_print_n = batch_idx
+            tqdm_bar.set_description(f"Epoch {trainer.current_epoch}")
+        elif isinstance(bar, RichProgressBar) and bar.progress is not None:
+            if bar.train_progress_bar_id is None:
+                bar._initialize_train_progress_bar_id()
+            bar.progress.reset(bar.train_progress_bar_id, total=resumed_total(trainer, batch_idx),
+                               completed=batch_idx, description=bar._get_train_description(trainer.current_epoch),
+                               visible=True)
+            bar.refresh()
 
 
 def use_resumable_progress_bar(trainer: Any) -> None:
-    """Put the subclasses in place of Lightning's own bar (its default, or a user's), same options and state."""
-    for i, cb in enumerate(trainer.callbacks):
-        if type(cb) is TQDMProgressBar:
-            new: Any = ResumableTQDMProgressBar(cb.refresh_rate, cb.process_position, cb._leave)
-        elif type(cb) is RichProgressBar:
-            new = ResumableRichProgressBar(cb.refresh_rate, cb._leave, cb.theme, cb._console_kwargs)
-        else:
-            continue
-        new.setup(trainer, trainer.lightning_module, trainer.state.fn)  # Lightning ran the old one's already
-        if cb.is_disabled:
-            new.disable()
-        trainer.callbacks[i] = new
+    """`ResumedEpochProgress` right after the trainer's progress bar (before the user's other callbacks, which then
+    see the bar's totals), once per trainer; the bar itself is the user's, untouched."""
+    callbacks = trainer.callbacks
+    if any(isinstance(cb, ResumedEpochProgress) for cb in callbacks):
         return
+    bar = trainer.progress_bar_callback
+    if bar is None or type(bar) not in (TQDMProgressBar, RichProgressBar):
+        return
+    index = next(i for i, cb in enumerate(callbacks) if cb is bar)
+    callbacks.insert(index + 1, ResumedEpochProgress())

@@ -102,19 +102,26 @@ for _t in ("loops/test_evaluation_loop.py::test_evaluation_loop_sampler_set_epoc
            "loops/test_loops.py::test_workers_are_shutdown",
            "loops/optimization/test_automatic_loop.py::test_skip_training_step_not_allowed"):
     EXPECTED[_t] = _DDP_FAMILY
+# the same, for the loader object: Lightning's DDPStrategy fails these at one device too (measured)
+_REMADE_LOADER = (
+    "Lightning's own DDPStrategy fails it the same at one device (measured, LIGHTNING_NPU_SUITE_STAGES=ddp): a "
+    "DDP-family strategy re-makes the training loader around a distributed sampler, so `trainer.train_dataloader` is "
+    "not the user's object and `overfit_batches`' SequentialSampler for a RandomSampler is replaced"
+)
+for _name in ("test_train_dataloader_passed_to_fit", "test_mixing_of_dataloader_options",
+              "test_multiple_dataloaders_with_random_sampler_overfit_batches"):
+    EXPECTED[f"trainer/test_dataloaders.py::{_name}"] = _REMADE_LOADER
+EXPECTED["models/test_restore.py::test_restarting_mid_epoch_raises_warning"] = (
+    "it expects Lightning's warning that a mid-epoch resume restarts the epoch's data; npu_hybrid's training loaders "
+    "are resumable (`ResumableDataLoader` is stateful: the checkpoint holds the sampler's position), and Lightning "
+    "itself skips that warning for stateful loaders"
+)
 EXPECTED["loops/optimization/test_closure.py::test_optimizer_step_no_closure_raises"] = EXPECTED[
     "trainer/optimization/test_manual_optimization.py::test_step_with_optimizer_closure_with_different_frequencies"]
-_PBAR = (
-    "it keeps `trainer.progress_bar_callback` from before fit; the strategy puts its resumable subclass of that bar "
-    "in its place at setup (same options and state; a mid-epoch resume counts from the resumed batch), so the "
-    "reference is to the replaced object"
-)
 EXPECTED["loops/test_loops.py::test_loop_state_on_exception"] = (
     "the fit loop's state holds the resumable sampler's position (`combined_loader`: epoch, consumed samples, "
     "dataset size), so that a mid-epoch resume continues at the next sample; Lightning's has none"
 )
-EXPECTED["loops/test_training_loop.py::test_progress_bar_steps"] = _PBAR
-EXPECTED["loops/test_training_loop.py::test_tqdm_total_steps_with_iterator_no_length"] = _PBAR
 
 # ZeRO-3 only: the default checkpoint form there is a sharded DCP directory (save_distributed_checkpoint=None)
 _SHARDED = (
@@ -139,6 +146,8 @@ for _t in ("test_fit_can_fail_during_validation", "test_fit_loop_reset", "test_f
            "test_loop_state_on_exception", "test_restart_from_last_parity", "test_restart_from_last_with_val_parity",
            "test_restart_parity", "test_restart_with_val_parity", "test_validation_during_gradient_accumulation_window"):
     EXPECTED_AT[3][f"loops/test_loops.py::{_t}"] = _SHARDED
+for _t in ("test_correct_step_and_epoch", "test_load_model_from_checkpoint"):
+    EXPECTED_AT[3][f"models/test_restore.py::{_t}"] = _SHARDED
 EXPECTED_AT[3]["checkpointing/test_torch_saving.py::test_model_torch_save"] = (
     "`torch.save(trainer.model)` after ZeRO-3 training: FSDP2 makes each sharded module's class a generated subclass "
     "(`FSDPLinear`), which pickle cannot find by name; ZeRO 0/1 modules pickle"
@@ -153,6 +162,9 @@ NEEDS_TENSORBOARD = {
     "trainer/logging_/test_eval_loop_logging.py::test_validation_step_log_with_tensorboard",
     "trainer/logging_/test_train_loop_logging.py::test_log_metrics_epoch_step_values",
     "trainer/logging_/test_train_loop_logging.py::test_log_on_train_start",
+    "models/test_restore.py::test_model_saving_loading",  # the default logger: TensorBoardLogger
+    "models/test_restore.py::test_strict_model_load_more_params",
+    "models/test_restore.py::test_strict_model_load_less_params",
 }
 
 
@@ -174,16 +186,19 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Config) -> None:
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities import CombinedLoader
 
+    stateful = (Callback, CombinedLoader)
     for item in items:
         if _HERE not in Path(str(item.fspath)).parents:
             continue
-        # each stage runs with its own copies of parametrized callbacks (Lightning's tests build them at collection
-        # and run once; a second run with the same EarlyStopping objects would start from the first one's state)
+        # each stage runs with its own copies of parametrized callbacks and CombinedLoaders (Lightning's tests build
+        # them at collection and run once; a second run with the same EarlyStopping objects would start from the
+        # first one's state, and the data connector swaps a CombinedLoader's loaders in place for sampler-wrapped ones)
         callspec = getattr(item, "callspec", None)
         for key, value in list(getattr(callspec, "params", {}).items()):
-            if isinstance(value, Callback) or (isinstance(value, (list, tuple))
-                                               and any(isinstance(v, Callback) for v in value)):
+            if isinstance(value, stateful) or (isinstance(value, (list, tuple))
+                                               and any(isinstance(v, stateful) for v in value)):
                 callspec.params[key] = copy.deepcopy(value)
         item.add_marker(pytest.mark.lightning_suite)
         base = item.nodeid.split("tests_pytorch/", 1)[-1].replace("[zero1]", "").replace("[zero3]", "")

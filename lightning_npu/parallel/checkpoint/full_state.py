@@ -37,7 +37,7 @@ from lightning_npu.parallel.checkpoint.optim_state import (
 )
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
-from lightning_npu.parallel.optim.mixed_precision import masters_as_parameters, unwrap_optimizer
+from lightning_npu.parallel.optim.mixed_precision import masters_as_parameters, stepped_groups, unwrap_optimizer
 from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel.shards import Sharding, as_dtensor, fused_layout, sharding_of
 from lightning_npu.parallel.tensor_parallel.styles import _part_major, _rank_major
@@ -272,7 +272,7 @@ def optimizer_groups(module: nn.Module, optimizer: Any) -> list[dict[str, Any]]:
     with masters_as_parameters(module, [optimizer]):
         fqn_of = _param_fqns(module, optimizer)
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]
+                  for g in stepped_groups(optimizer)]
     parts = gather_stages(module, groups)
     if parts is not None:
         order = getattr(module_state(module, create=False), "parameter_order", None) or {}
@@ -290,7 +290,7 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict
     optimizer = unwrap_optimizer(optimizer)
     with masters_as_parameters(module, [optimizer]):
         fqn_of = _param_fqns(module, optimizer)
-        fqns = [fqn_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        fqns = [fqn_of[id(p)] for g in stepped_groups(optimizer) for p in g["params"]]
         if len(fqns) != sum(len(g["params"]) for g in state_dict["param_groups"]):
             raise ValueError("The checkpoint's optimizer state does not match this optimizer's parameters (count "
                              "differs); resume with the same `configure_optimizers`.")
@@ -308,7 +308,7 @@ def select_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict[s
     optimizer = unwrap_optimizer(optimizer)
     with masters_as_parameters(module, [optimizer]):
         fqn_of = _param_fqns(module, optimizer)
-        own = [[fqn_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        own = [[fqn_of[id(p)] for p in g["params"]] for g in stepped_groups(optimizer)]
     saved = [f for group in saved_fqns for f in group]
     known = set(saved)
     missing = [f for group in own for f in group if f not in known]

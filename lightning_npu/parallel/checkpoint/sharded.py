@@ -625,6 +625,29 @@ def load_directory(path: _PathLike, module: torch.nn.Module, optimizers: list[Op
     own = model_state_dict(module, optimizers)
     if pipelined and strict:
         check_stage_keys(stored, own, path)
+    with _frozen_with_saved_state(module, stored, len(optimizers)):
+        return _load_directory(path, module, optimizers, meta, stored, own, strict, pipelined)
+
+
+@contextmanager
+def _frozen_with_saved_state(module: torch.nn.Module, stored: dict[str, Any], count: int) -> Iterator[None]:
+    """Frozen parameters whose optimizer state the checkpoint holds require gradients while it loads: DCP's
+    optimizer state dicts leave frozen parameters' state out (a layer Lightning's BaseFinetuning unfroze, frozen
+    again by its `freeze_before_training` until the groups come back, would resume without its momentum)."""
+    prefixes = [f"optimizer_{i}.{STATE_PREFIX}" for i in range(count)]
+    saved = {split_state_key(k, p)[0] for k in stored for p in prefixes if k.startswith(p)}
+    frozen = [p for n, p in module.named_parameters(remove_duplicate=False) if n in saved and not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def _load_directory(path: Path, module: torch.nn.Module, optimizers: list[Optimizer], meta: dict[str, Any],
+                    stored: dict[str, Any], own: dict[str, Any], strict: bool, pipelined: bool) -> dict[str, Any]:
     templates: dict[str, dict[str, Any]] = {MODEL_KEY: check_model_keys(stored, own, path, strict and not pipelined)}
     for i, optimizer in enumerate(optimizers):
         osd = optimizer_state_dict(module, optimizer)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import MutableMapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -80,12 +81,39 @@ def _is_expert(param: torch.Tensor) -> bool:
     return spec is not None and "ep" in (spec.mesh.mesh_dim_names or ())
 
 
+class ModelParamGroup(MutableMapping):
+    """One of the user's optimizer's param groups as seen through the ZeRO-1 wrapper: ``"params"`` lists the model's
+    parameters instead of their master slices; every other entry is the group's own (reads and writes)."""
+
+    def __init__(self, group: dict[str, Any], model_of: dict[int, torch.Tensor]) -> None:
+        self.group, self._model_of = group, model_of
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.group[key]
+        return [self._model_of[id(m)] for m in value] if key == "params" else value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise ValueError("A ZeRO-1 param group's parameters are fixed; set `optimizer.param_groups` or call "
+                             "`optimizer.add_param_group`.")
+        self.group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.group[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.group)
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """Wraps the user's optimizer for ZeRO stage 1 (see the module docstring).
 
-    `param_groups` hold the DTensor slices with the user's hyper-parameters, and the user's optimizer (`optimizer`,
-    never stepped itself) shows these same groups: LR schedulers, clipping and checkpoints act on what is actually
-    stepped. `state` is that of `inner`, the user's optimizer class re-created over plain local views of the slices. The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
+    The user's optimizer (`optimizer`, never stepped itself) holds groups of the DTensor slices with the user's
+    hyper-parameters: LR schedulers, clipping and checkpoints act on what is actually stepped. This wrapper's own
+    `param_groups` show those groups with the model's parameters (`ModelParamGroup`), as under DDP. `state` is that of `inner`, the user's optimizer class re-created over plain local views of the slices. The strategy calls :meth:`finish_gradient_sync` at the end of a stepping backward
     (also after a pipeline schedule, without hooks) and clears `grad_buckets.enabled` while accumulating.
     """
 
@@ -124,6 +152,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.dp_rank = self.dp_mesh.get_local_rank()
         self._dp_tp_mesh = mesh[replica_dim(mesh), "tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1 else None
         self.fqn = {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
+        self._params_by_id = {id(p): p for p in module.parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         unknown = [p for p in params if id(p) not in self.fqn]
         if unknown:
@@ -184,7 +213,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         MixedPrecisionOptimizer.__init__(self, optimizer, scaler=scaler, pp_group=pp_group)
 
     def _share_state(self) -> None:
-        self.param_groups = self.optimizer.param_groups
         self.state = self.inner.state  # keyed by the local views: plain tensors of this rank's slices
         self.defaults = self.optimizer.defaults
 
@@ -238,7 +266,48 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         hparams = {k: v for k, v in param_group.items() if k != "params"}
         self.inner.add_param_group({**hparams, "params": [self._local_of[id(self._shard_of[id(p)])] for p in params]})
         hparams = {k: v for k, v in self.inner.param_groups[-1].items() if k != "params"}  # with the defaults
-        self.param_groups.append({**hparams, "params": [self._shard_of[id(p)] for p in params]})
+        self.optimizer.param_groups.append({**hparams, "params": [self._shard_of[id(p)] for p in params]})
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[Any]:
+        """The user's optimizer's groups with the model's parameters in place of their master slices, as under DDP:
+        Lightning's `BaseFinetuning` finds, names and restores its groups by the module's parameters (writes to the
+        hyper-parameters reach the stepped groups). The stepped groups are `optimizer.param_groups`."""
+        inner = vars(self).get("optimizer")
+        if inner is None:  # torch's Optimizer.__init__ (the placeholder group)
+            return vars(self)["_own_groups"]
+        model_of = {id(m): p for p, m in ((self._params_by_id[pid], m) for pid, m in self._shard_of.items())}
+        return [ModelParamGroup(g, model_of) for g in inner.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[Any]) -> None:
+        """Groups by the model's parameters (or their masters): known ones keep their masters and state, with the
+        given hyper-parameters; groups of parameters not yet optimized are added (`add_param_group`), as
+        `BaseFinetuning` restores the groups it had added."""
+        if "optimizer" not in vars(self):
+            vars(self)["_own_groups"] = groups
+            return
+        self.wait_parameters()
+        master_ids = {id(m) for m in self._shard_of.values()}
+        known: list[tuple[dict[str, Any], list[nn.Parameter]]] = []
+        new: list[dict[str, Any]] = []
+        for group in groups:
+            params = list(group["params"])
+            masters = [p if id(p) in master_ids else self._shard_of.get(id(p)) for p in params]
+            hparams = {k: v for k, v in group.items() if k != "params"}
+            if all(m is not None for m in masters):
+                known.append((hparams, masters))
+            elif all(m is None for m in masters):
+                new.append({**hparams, "params": params})
+            else:
+                raise ValueError("param_groups: a group mixes parameters this ZeRO-1 optimizer steps with new ones; "
+                                 "add the new ones as their own group (`optimizer.add_param_group`).")
+        local_of = self._local_of
+        defaults = {k: v for k, v in self.inner.defaults.items() if k != "params"}
+        self.inner.param_groups = [{**defaults, **h, "params": [local_of[id(m)] for m in ms]} for h, ms in known]
+        self.optimizer.param_groups = [{**defaults, **h, "params": ms} for h, ms in known]
+        for group in new:
+            self.add_param_group(group)
 
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False,
@@ -441,7 +510,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         pass  # `finish_gradient_sync` attached the reduce-scattered slices to the masters
 
     def _step_main_params(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        for public, local in zip(self.param_groups, self.inner.param_groups):
+        for public, local in zip(self.optimizer.param_groups, self.inner.param_groups):
             local.update({k: v for k, v in public.items() if k != "params"})  # lr from schedulers, ...
         if self.steps_dtensors:  # the DTensor masters hold their gradients: each evaluation's, attached in backward
             return self.inner.step(closure, **kwargs) if closure is not None else self.inner.step(**kwargs)
@@ -449,7 +518,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for public, local in zip(self.param_groups, self.inner.param_groups):
+        for public, local in zip(self.optimizer.param_groups, self.inner.param_groups):
             for master, view in zip(public["params"], local["params"]):
                 view.grad = None if master.grad is None else master.grad.to_local()  # None: skipped (frozen, guard)
         self.inner.step(**kwargs)
@@ -489,7 +558,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         _init_optim_state(self.inner)  # a fresh optimizer has no state tensors to load into yet
         out: dict[str, Any] = {}
         fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
-        for group in self.param_groups:
+        for group in self.optimizer.param_groups:
             for master in group["params"]:
                 fqn = fqn_of_master[id(master)]
                 for name, value in self.inner.state.get(self._local_of[id(master)], {}).items():
@@ -504,7 +573,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Apply a dict from :meth:`sharded_state_dict` that DCP has filled in place (or re-sliced)."""
         self.wait_parameters()
         fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
-        for group in self.param_groups:
+        for group in self.optimizer.param_groups:
             for master in group["params"]:
                 fqn = fqn_of_master[id(master)]
                 slot = self.inner.state.setdefault(self._local_of[id(master)], {})
@@ -550,15 +619,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (unsharded) torch optimizer state dict, e.g. from a ZeRO-0 single-file checkpoint."""
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)
+        if len(groups) != len(self.optimizer.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.optimizer.param_groups)
         ):
             raise ValueError(
                 "The optimizer state does not match this optimizer's param groups (group count or sizes differ); "
                 "resume with the same `configure_optimizers`."
             )
         by_master = {id(m): self.grad_buckets.slice_of[pid][1] for pid, m in self._shard_of.items()}
-        for saved, mine in zip(groups, self.param_groups):
+        for saved, mine in zip(groups, self.optimizer.param_groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
             for index, master in zip(saved["params"], mine["params"]):
                 s = by_master[id(master)]

@@ -43,6 +43,19 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def stepped_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """The param groups of what an optimizer's step updates: a strategy wrapper's are its user optimizer's (fp32
+    masters; ZeRO-1's slices, whose wrapper shows the model's parameters in its own `param_groups`)."""
+    optimizer = unwrap_optimizer(optimizer)
+    return vars(optimizer).get("optimizer", optimizer).param_groups if isinstance(
+        optimizer, MixedPrecisionOptimizer) else optimizer.param_groups
+
+
+def stepped_params(optimizer: Any) -> list[Tensor]:
+    """The tensors of `stepped_groups`, in order."""
+    return [p for group in stepped_groups(optimizer) for p in group["params"]]
+
+
 def needs_closure(optimizer: Optimizer) -> bool:
     """Whether `optimizer.step` cannot run without a closure: it evaluates the loss itself (LBFGS, maybe many times),
     so the step's parts must run inside that closure, as Lightning's own precision plugin runs them."""
@@ -195,7 +208,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def main_params(self) -> list[Tensor]:
         """What the step updates, in the optimizer's order: fp32 masters, ZeRO-1 slices or the fp32 parameters."""
-        return [p for group in self.param_groups for p in group["params"]]
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     # ---- the step's parts, in order ------------------------------------------------------------
     def prepare_grads(self) -> bool:
