@@ -777,10 +777,13 @@ class NPUHybridStrategy(DDPStrategy):
 
     def _release_process_groups(self) -> None:
         """Drop what holds process groups that the next fit makes again, as DDPStrategy drops its DDP wrapper, so
-        that the module and the trainer pickle after fit (``torch.save(trainer)``): the gradient sync (DDP's comm
-        hook state) and the buffer broadcast. The module's metrics keep their dp group (under tp or pp), since a
+        that the module and the trainer pickle after fit (``torch.save(trainer)``) and a later fit of the same module
+        reduces its gradients once: ZeRO-1's bucket hooks, the gradient sync (DDP's comm hook state) and the buffer
+        broadcast. The module's metrics keep their dp group (under tp or pp), since a
         metric computed after fit must still count each sample once; the gradient compressor's state stays (a
         checkpoint saved after fit holds it)."""
+        for opt in self._distributed_optimizers():
+            opt.grad_buckets.remove_hooks()
         compressor = self._grad_sync.compressor
         self._grad_sync = GradientSync()
         self._grad_sync.compressor = compressor

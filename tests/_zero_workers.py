@@ -169,6 +169,7 @@ def run(
     with_optimizer_state: bool = False,
     limit_train_batches: int = 200,
     save_distributed_checkpoint: Any = True,  # these scenarios are about sharded directories
+    refit_steps: int = 0,
 ) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     strategy = NPUHybridStrategy(zero_stage=zero_stage, async_save=async_save,
@@ -204,6 +205,20 @@ def run(
     }
     if with_optimizer_state:
         out["optim"] = full_optimizer_state(trainer)
+    if refit_steps:  # the same model fit again by a new Trainer: the first fit's gradient hooks must be gone
+        again, hooks = Probe(), []
+
+        class Hooks(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+                hooks.append(max(len(p._post_accumulate_grad_hooks or {}) for p in pl_module.parameters()))
+
+        trainer, data = parity_trainer(NPUHybridStrategy(zero_stage=zero_stage), model, _world(), global_batch,
+                                       refit_steps, [again, Hooks()], None, limit_train_batches,
+                                       num_sanity_val_steps=0)
+        with again.counting():
+            trainer.fit(model, datamodule=data)
+        out["refit_reductions"] = again.reduce_scatters
+        out["grad_hooks"] = hooks
     return out
 
 

@@ -13,13 +13,23 @@ RTOL, ATOL = 1e-5, 1e-6  # as in test_foundation_parity: a missing/wrong reducti
 PARITY = [dict(zero_stage=z, steps=5, accumulate=2) for z in (0, 1, 2, 3)]
 # every dim 0 of this model is even: each rank's ZeRO slices are exactly half of every parameter
 MEMORY = [dict(zero_stage=z, steps=1, model_kwargs={"n_layer": 4}) for z in (0, 1, 2, 3)]
+REFIT = [dict(zero_stage=1, steps=2, refit_steps=2)]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    ranks = spawn(run_many, 2, PARITY + MEMORY)
-    n = len(PARITY)
-    return {"parity": [r[:n] for r in ranks], "memory": [r[n:] for r in ranks]}
+    ranks = spawn(run_many, 2, PARITY + MEMORY + REFIT)
+    n, m = len(PARITY), len(PARITY) + len(MEMORY)
+    return {"parity": [r[:n] for r in ranks], "memory": [r[n:m] for r in ranks], "refit": [r[m:] for r in ranks]}
+
+
+def test_a_second_fit_of_the_same_model_reduces_each_bucket_once(runs):
+    """A new Trainer fitting the same module (fine-tuning stages, notebooks): the first fit's ZeRO-1 bucket hooks
+    are removed at its end, so the second fit reduces each bucket once (they doubled every fit before)."""
+    for rank in range(2):
+        (got,) = runs["refit"][rank]
+        assert got["grad_hooks"] == [1, 1]  # per parameter, during the second fit
+        assert got["refit_reductions"] == got["reduce_scatters"][:2], got
 
 
 def assert_same_params(a: dict, b: dict) -> None:

@@ -304,6 +304,13 @@ class GradientBuckets:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if p.requires_grad]
         return new
 
+    def remove_hooks(self) -> None:
+        """At fit's end: a later fit of the same module builds its own buckets, and these hooks would go on reducing
+        into this optimizer's buffers as well (each bucket once more per fit)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, s = self.slice_of[id(param)]
         if bucket.flat is not None:
