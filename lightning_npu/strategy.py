@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import uuid
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -65,7 +66,13 @@ from lightning_npu.parallel.optim.mixed_precision import (
     wrap_lr_schedulers,
 )
 from lightning_npu.parallel.optim.rebind import parameters_by_id, rebind
-from lightning_npu.parallel.parallelize import apply_pp, parallelize
+from lightning_npu.parallel.parallelize import (
+    apply_pp,
+    check_not_split_elsewhere,
+    mark_split,
+    parallelize,
+    split_layout,
+)
 from lightning_npu.parallel.pipeline_parallel.plan import plan_pipeline
 from lightning_npu.parallel.tensor_parallel.plan import plan_tensor_parallel, vocab_parallel_cross_entropy
 from lightning_npu.precision.hybrid import HybridPrecision, as_hybrid_precision
@@ -233,6 +240,7 @@ class NPUHybridStrategy(DDPStrategy):
         self._buffer_sync: Any = None
         self._ckpt_writer: Optional[ckpt.ShardedCheckpointWriter] = None
         self._restored_from_file = False
+        self._owner = uuid.uuid4().hex  # marks the modules this strategy splits (`check_not_split_elsewhere`)
         self._bound_metrics: list[Any] = []  # the torchmetrics `Metric`s `setup` gave the dp group
         self._context_parallel: Any = None  # lightning_npu.parallel.context_parallel.runtime.ContextParallel (cp > 1)
         self._params_before: Optional[dict[int, Any]] = None  # the model's parameters before `parallelize`
@@ -276,6 +284,7 @@ class NPUHybridStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         dev.configure_allocator(self.root_device.type)  # before the process's first device allocation
+        check_not_split_elsewhere(self.lightning_module, self._owner)
         self._plan_branches()  # so do branch globs that match nothing, or a branch tp that does not fit its heads
         self._plan_tensor_parallel()  # a tp plan that does not fit the model fails before any process group
         self._plan_pipeline()  # so does a pipeline split (pp larger than the blocks, no pipeline_loss, ...)
@@ -340,6 +349,7 @@ class NPUHybridStrategy(DDPStrategy):
             hierarchy=self.hierarchy,
             branches=self._plan_branches(),
         )
+        mark_split(model, self._owner, split_layout(cfg, bool(self.branch_plans)))
         self.fusion_report = result.fusion_report
         self.recompute_report = result.recompute_report
         self._auto_recompute = result.auto_recompute

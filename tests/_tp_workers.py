@@ -99,3 +99,29 @@ def fit_expect_error(tp: int, model_kwargs: dict[str, Any], extra_linear: bool =
     except Exception as err:  # noqa: BLE001
         return {"type": type(err).__name__, "message": str(err), "pg": dist.is_initialized()}
     return {"type": None, "message": "", "pg": dist.is_initialized()}
+
+
+def refit_after_split(steps: int = 2) -> dict[str, Any]:
+    """A tp=2 module after its fit: the same Trainer validates it; a new Trainer is refused before any process group
+    with the fix; that fix (the full state into a fresh instance) trains from the trained weights."""
+    import lightning_npu
+
+    L.seed_everything(0, verbose=False)
+    model = GPTModule(**SMALL_GPT)
+    trainer, data = parity_trainer(NPUHybridStrategy(tensor_parallel_size=2), model, 2, 4, steps, [])
+    trainer.fit(model, datamodule=data)
+    trainer.validate(model, datamodule=data, verbose=False)
+    out: dict[str, Any] = {}
+    again, data = parity_trainer(NPUHybridStrategy(tensor_parallel_size=2), model, 2, 4, steps, [])
+    try:
+        again.fit(model, datamodule=data)
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        out["error"] = f"{type(err).__name__}: {err}"
+    state = lightning_npu.full_state_dict(model)
+    fresh = GPTModule(**SMALL_GPT)
+    fresh.load_state_dict(state)
+    out["fresh_equals_trained"] = all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
+    again, data = parity_trainer(NPUHybridStrategy(tensor_parallel_size=2), fresh, 2, 4, steps, [])
+    again.fit(fresh, datamodule=data)
+    out["fresh_trained"] = again.global_step
+    return out

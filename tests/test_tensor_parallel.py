@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests._layouts import TP2, Layout, launch_calls, run_layout
-from tests._tp_workers import vocab_parallel_ce_check
+from tests._tp_workers import refit_after_split, vocab_parallel_ce_check
 
 # Same bounds as the foundation parity tests (see there): a wrong shard, a missing all-reduce or a
 # q/k/v mix-up moves parameters by ~lr = 3e-3 after 5 steps, three orders of magnitude above these.
@@ -24,10 +24,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     train = dict(steps=6, limit_train_batches=3)
     ckpt = {"dir": root / "dir" / STEP3, "file": root / "file" / STEP3}
-    full_dir, full_file, ce = launch_calls(2, [
+    full_dir, full_file, ce, refit = launch_calls(2, [
         (run_layout, dict(layout=TP2_DIR, ckpt_dir=str(root / "dir"), **train)),
         (run_layout, dict(layout=TP2_FILE, ckpt_dir=str(root / "file"), **train)),
         (vocab_parallel_ce_check, {}),
+        (refit_after_split, {}),
     ])
     tp2_dir, tp2_file = launch_calls(2, [(run_layout, dict(layout=lay, ckpt_in=str(ckpt[kind]), **train))
                                          for kind, lay in (("dir", TP2_DIR), ("file", TP2_FILE))])
@@ -36,7 +37,7 @@ def runs(tmp_path_factory):
         (run_layout, dict(layout=TP1, ckpt_in=str(ckpt["file"]), **train)),
         (run_layout, dict(layout=TP1, steps=3, ckpt_dir=str(root / "tp1"), limit_train_batches=3)),
     ])
-    return dict(root=root, ckpt=ckpt, ce=ce, full={"dir": full_dir[0], "file": full_file[0]},
+    return dict(root=root, ckpt=ckpt, ce=ce, refit=refit, full={"dir": full_dir[0], "file": full_file[0]},
                 resumed={"dir": [*tp2_dir, tp1_dir], "file": [*tp2_file, tp1_file]})
 
 
@@ -93,3 +94,13 @@ def test_vocab_parallel_cross_entropy_matches_full(runs):
             torch.testing.assert_close(r["grad"], r["ref_grad"], rtol=1e-6, atol=1e-7, msg=lambda m: f"{reduction}: {m}")
             if reduction == "none":
                 assert (r["loss"].view(6, 5)[0, :3] == 0).all()  # ignore_index contributes nothing
+
+
+def test_a_split_module_is_refused_by_a_new_trainer_with_the_fix(runs):
+    """A new Trainer given a module an earlier tp fit split: one clear error naming the fix (it failed inside
+    DTensor's distribute_module before), and the fix (its full state into a fresh instance) trains."""
+    for rank in runs["refit"]:
+        assert rank["error"].startswith("ParallelConfigError: this GPTModule was already split by an earlier fit's "
+                                        "NPUHybridStrategy (tensor_parallel_size=2)"), rank["error"]
+        assert "lightning_npu.full_state_dict(model)" in rank["error"]
+        assert rank["fresh_equals_trained"] and rank["fresh_trained"] == 2

@@ -54,6 +54,34 @@ from lightning_npu.parallel.tensor_parallel import plan as tp
 from lightning_npu.parallel.tensor_parallel import shards as tp_shards
 
 
+def split_layout(cfg: ParallelConfig, branches: bool) -> str:
+    """How a layout changes the module itself (sharded or removed layers), or "" where it does not: ZeRO and
+    context parallelism leave a module that another strategy can take up again."""
+    sizes = [f"{name}={getattr(cfg, name)}" for name in
+             ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size") if getattr(cfg, name) > 1]
+    return ", ".join(sizes + (["branch_layouts"] if branches else []))
+
+
+def mark_split(model: nn.Module, owner: str, how: str) -> None:
+    if how:
+        module_state(model).split_by = (owner, how)
+
+
+def check_not_split_elsewhere(model: nn.Module, owner: str) -> None:
+    """A module an earlier fit split (a new Trainer fitting, validating or testing it) holds that fit's shards and
+    stages: splitting it again fails deep inside DTensor or the pipeline. Refused before any process group."""
+    state = module_state(model, create=False)
+    if state is None or state.split_by is None or state.split_by[0] == owner:
+        return
+    raise ParallelConfigError(
+        f"this {type(model).__name__} was already split by an earlier fit's NPUHybridStrategy ({state.split_by[1]}): "
+        "its layers hold that fit's shards and stages, which another strategy cannot split again. Use the Trainer "
+        "that trained it, or give a fresh instance the trained weights: on every rank, "
+        "`state = lightning_npu.full_state_dict(model)` (full tensors, the original names), then "
+        "`new_model = MyModule(...); new_model.load_state_dict(state)` and fit/validate/test `new_model` (or resume "
+        "a fresh instance from the checkpoint with `ckpt_path=`).")
+
+
 @dataclass
 class Parallelized:
     """What `parallelize` made: the module Lightning keeps, this rank's pipeline, the gradient sync."""

@@ -24,6 +24,7 @@ class ModuleState:
     expert_mesh: Any = None  # the model under expert parallelism: the (rest, edp, ep, tp) mesh (`dispatch`)
     gradient_divisor: Optional[int] = None  # an FSDP2 unit averaging over more ranks than its group (`wrap`)
     branch: Any = None  # a branch module under `branch_layouts`: its `branch.apply.BranchShard`
+    split_by: Optional[tuple[str, str]] = None  # the model: (the strategy that split it, how): `parallelize`
 
 
 @dataclass
