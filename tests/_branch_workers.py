@@ -68,6 +68,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
+            "text_state": state_held(trainer, TEXT),
             "compressed_bytes": sent.compressed,
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
@@ -82,6 +83,21 @@ def held(module: torch.nn.Module) -> dict[str, float]:
     over_fdp = [p for p in params if isinstance(p, DTensor) and "fdp" in (p.device_mesh.mesh_dim_names or ())]
     return {"fdp": len(over_fdp) / len(params),
             "local": sum(p.to_local().numel() for p in over_fdp) / max(1, sum(p.numel() for p in over_fdp))}
+
+
+def state_held(trainer: L.Trainer, prefix: str) -> Optional[float]:
+    """Under ZeRO-1 (a `DistributedOptimizer`): the elements of the optimizer's ``exp_avg`` under `prefix` this rank
+    holds over their full count (None in other layouts)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+
+    opt = unwrap_optimizer(trainer.strategy.optimizers[0]) if trainer.strategy.optimizers else None
+    if not hasattr(opt, "sharded_state_dict"):
+        return None
+    held = [v for k, v in opt.sharded_state_dict().items()
+            if k.startswith(f"state.{prefix}.") and k.endswith(".exp_avg") and isinstance(v, DTensor)]
+    return sum(v.to_local().numel() for v in held) / max(1, sum(v.numel() for v in held))
 
 
 def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:

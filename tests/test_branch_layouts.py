@@ -34,6 +34,8 @@ ZERO3 = {"tensor_parallel_size": 2, "zero_stage": 0,
          "branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 3},
                             VISION: {"tensor_parallel_size": 2, "zero_stage": 3}}}
 
+ZERO1 = {"branch_layouts": {TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}}  # the top level's default zero_stage=1
+
 TWO = {
     "save": BranchCase(TEXT1, steps=2, save="two"),
     "resume": BranchCase(TEXT1, steps=3, resume="two"),
@@ -58,6 +60,12 @@ TWO = {
     "dp2, text zero 3 save": BranchCase({"zero_stage": 0, "branch_layouts": {TEXT: {"zero_stage": 3}}}, steps=2,
                                         save="zero3 dp2"),
     "dp2, text zero 3 resume without branches": BranchCase({"zero_stage": 0}, steps=3, resume="zero3 dp2"),
+    # the default top-level ZeRO-1 at dp 2: its optimizer leaves the text tower's FSDP2 shards (fdp = dp) to FSDP2
+    "zero1 dp2, text zero 3 save": BranchCase(ZERO1, steps=2, save="zero1 dp2"),
+    "zero1 dp2, text zero 3 resume": BranchCase(ZERO1, steps=3, resume="zero1 dp2"),
+    "zero1 dp2, resume without branches": BranchCase({}, steps=3, resume="zero1 dp2"),
+    # ... and at dp 1 (tp 2: no DistributedOptimizer, the text tower's 2 branch-dp ranks are its fdp)
+    "zero1 tp2, text zero 3": BranchCase({"tensor_parallel_size": 2, "branch_layouts": ZERO1["branch_layouts"]}),
 }
 TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
 FOUR = {
@@ -70,6 +78,8 @@ FOUR = {
                                                                                   "zero_stage": 3}}}),
     # (the text branch takes the top-level zero_stage 3: it sets none)
     "top zero 3, vision tp4, text tp2 zero 3": BranchCase({**TP4, "zero_stage": 3}),
+    # top-level ZeRO-1 over dp 2 (vision's tp shards sliced over dp), both towers' own ZeRO-3 (text over fdp 4)
+    "dp2 x tp2, top zero 1, both towers zero 3": BranchCase({**ZERO3, "zero_stage": 1}),
     "resume zero3 at dp2 x tp2, top zero 2": BranchCase({"tensor_parallel_size": 2, "zero_stage": 2, "branch_layouts": {
         TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}}, steps=3, resume="zero3"),
 }
@@ -124,6 +134,22 @@ def test_branch_zero3_and_top_zero3_two_processes_exact_and_reshard(runs):
     saved = rank0["dp2, text zero 3 save"]
     assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
     diff = compare(ref, rank0["dp2, text zero 3 resume without branches"], slice(2, 3))
+    assert _exact(diff), diff
+
+
+def test_branch_zero3_under_top_level_zero1_exact_and_resumes(runs):
+    ref, (rank0, rank1) = runs["ref"], runs["two"]
+    saved = rank0["zero1 dp2, text zero 3 save"]
+    assert saved["logged"] == rank1["zero1 dp2, text zero 3 save"]["logged"]
+    assert compare({**ref, "state": saved["state"]}, saved, slice(0, 2))["loss"] <= LOSS_RTOL
+    # the text tower's parameters and optimizer state are FSDP2's halves; the rest is ZeRO-1's dp slices
+    assert saved["held"][TEXT]["fdp"] == 1.0 and saved["held"][TEXT]["local"] == pytest.approx(0.5, abs=0.01)
+    assert saved["text_state"] == pytest.approx(0.5, abs=0.01)
+    for name in ("zero1 dp2, text zero 3 resume", "zero1 dp2, resume without branches"):
+        diff = compare(ref, rank0[name], slice(2, 3))
+        assert _exact(diff), (name, diff)
+    assert rank0["zero1 dp2, resume without branches"]["held"][TEXT]["fdp"] == 0.0
+    diff = compare(ref, rank0["zero1 tp2, text zero 3"])
     assert _exact(diff), diff
 
 
@@ -195,12 +221,15 @@ def test_branches_with_layouts_not_built_are_refused(kwargs, arg):
 @pytest.mark.parametrize("top, branch, message", [
     (3, 0, r"\['zero_stage'\]=0` with the top-level `zero_stage=3` is not built yet.*"
            r"set the branch's 'zero_stage' to 2 or 3"),
-    (1, 3, r"\['zero_stage'\]=3` with the top-level `zero_stage=1` is not built yet: "
-           r"use the top-level zero_stage 0, 2"),
 ])
 def test_branch_and_top_level_zero_stages_not_built_are_refused(top, branch, message):
     with pytest.raises(ParallelConfigError, match=message):
         NPUHybridStrategy(tensor_parallel_size=2, zero_stage=top, branch_layouts={TEXT: {"zero_stage": branch}})
+
+
+def test_a_branch_zero_3_under_the_default_zero_1_is_accepted():
+    strategy = NPUHybridStrategy(tensor_parallel_size=2, branch_layouts={TEXT: {"zero_stage": 3}})
+    assert strategy.parallel_config.zero_stage == 1 and strategy.parallel_config.branches[0].zero_stage == 3
 
 
 def test_a_branch_without_zero_stage_takes_a_top_level_zero_2_or_3():
