@@ -98,8 +98,8 @@ class NPUHybridStrategy(DDPStrategy):
             a submodule (a CLIP tower) with its own (branch dp x branch tp) inside each top-level tp group: sharded
             at tp N, its input batch split over the tp / N branch-dp ranks and its output all-gathered, its gradients
             summed over them (compressed as its ``gradient_compression`` says). N must divide tensor_parallel_size.
-            The branch's ``zero_stage`` 2/3 shards it with FSDP2 over its dp x branch-dp ranks (top-level
-            zero_stage 0, 2 or 3; under 2/3 a branch that sets none takes the top level's); a branch ZeRO 0 takes
+            The branch's ``zero_stage`` 2/3 shards it with FSDP2 over its dp x branch-dp ranks (any top-level
+            zero_stage; under 2/3 a branch that sets none takes the top level's); a branch ZeRO 0 takes
             top-level zero_stage 0 or 1. Without pp, ep, cp or sequence_parallel (docs/layouts.md).
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the

@@ -62,8 +62,9 @@ def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> li
             raise ParallelConfigError(f"{where}['zero_stage']={zero!r} must be 0, 2 or 3.")
         if zero == 1:
             raise ParallelConfigError(
-                f"{where}['zero_stage']=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 0 (the branch "
-                "follows the top-level zero_stage) or 3 (2) to shard its parameters (and gradients) over its dp ranks.")
+                f"{where}['zero_stage']=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 3 (or 2) to "
+                "shard its parameters, gradients and optimizer state over its dp ranks (under any top-level "
+                "zero_stage), or 0 to follow a top-level zero_stage 0 or 1.")
         raw = options.get("gradient_compression")
         try:
             spec = parse_compression(raw)
