@@ -31,6 +31,7 @@ class BranchCase:
     resume: Optional[str] = None  # resume from this checkpoint (same), up to `steps`
     samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
     accumulate: int = 1  # accumulate_grad_batches (batches per optimizer step)
+    precision: Optional[str] = None  # the Trainer's (None: its default, fp32)
 
 
 class BranchBytes(L.Callback):
@@ -57,7 +58,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
-        accumulate_grad_batches=case.accumulate,
+        accumulate_grad_batches=case.accumulate, **({"precision": case.precision} if case.precision else {}),
     )
     loader = DataLoader(ZooData("clip", case.samples), batch_size=case.batch // dp, shuffle=False)
     ckpt = os.path.join(directory, case.resume) if case.resume else None

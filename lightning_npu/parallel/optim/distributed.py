@@ -262,11 +262,24 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _add_self_sharded(self, params: list[nn.Parameter]) -> None:
-        """FSDP2's sharded parameters are their own masters: the public groups hold them (DTensors), the user's
-        optimizer class steps a plain Parameter over their local shard (`_rebind_self_sharded` re-points it)."""
+        """FSDP2's sharded fp32 parameters are their own masters: the public groups hold them (DTensors), the user's
+        optimizer class steps a plain Parameter over their local shard (`_rebind_self_sharded` re-points it). A
+        16-bit shard (``bf16-true``) gets an fp32 master DTensor of the same layout, copied back after each step:
+        master weights stay fp32, as for ZeRO-1's slices."""
         for p in params:
-            self._shard_of[id(p)] = p
-            self._local_of[id(p)] = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+            master = p
+            if p.dtype != torch.float32:
+                master = nn.Parameter(DTensor.from_local(p.to_local().float(), p.device_mesh, p.placements,
+                                                         run_check=False, shape=p.shape, stride=p.stride()),
+                                      requires_grad=p.requires_grad)
+                tensor_state(master).master = True  # checkpoints store it in place of the parameter
+            self._shard_of[id(p)] = master
+            self._local_of[id(master)] = nn.Parameter(master.to_local(), requires_grad=p.requires_grad)
+
+    def _own_masters(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(FSDP2 shard, its master) for the shards stepped through a separate fp32 master (16-bit shards)."""
+        pairs = ((self._params_by_id[pid], self._shard_of[pid]) for pid in sorted(self.self_sharded))
+        return [(p, m) for p, m in pairs if m is not p]
 
     @torch.no_grad()
     def _rebind_self_sharded(self) -> None:
@@ -274,10 +287,29 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         the stepped Parameter (the key of its optimizer state) is re-pointed at the current one before each use."""
         for pid in self.self_sharded:
             p = self._shard_of[pid]
+            if p is not self._params_by_id[pid]:  # its own fp32 master: storage of ours
+                continue
             view = self._local_of[id(p)]
             local = p.to_local()
             if view.data_ptr() != local.data_ptr() or view.shape != local.shape:
                 view.data = local
+
+    @torch.no_grad()
+    def _attach_self_sharded(self) -> None:
+        """16-bit shards: their masters get FSDP2's reduced gradient in fp32 (fp32 shards carry their own)."""
+        for p, master in self._own_masters():
+            master.grad = None if p.grad is None or not p.requires_grad else DTensor.from_local(
+                p.grad.to_local().float(), master.device_mesh, master.placements, run_check=False,
+                shape=master.shape, stride=master.stride())
+
+    @torch.no_grad()
+    def _copy_self_sharded(self, to_masters: bool = False) -> None:
+        """16-bit shards from their fp32 masters after a step or a load (`to_masters`: the other way)."""
+        for p, master in self._own_masters():
+            if to_masters:
+                master.to_local().copy_(p.to_local())
+            else:
+                p.to_local().copy_(master.to_local())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A new group while training (Lightning's `BaseFinetuning` unfreezing layers): its parameters get their own
@@ -395,8 +427,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def master_of(self, param: torch.Tensor) -> Optional[nn.Parameter]:
         """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here, or if the
-        parameter is FSDP2's shard, its own master)."""
-        return None if id(param) in self.self_sharded else self._shard_of.get(id(param))
+        parameter is an fp32 FSDP2 shard, its own master)."""
+        master = self._shard_of.get(id(param))
+        return None if master is param else master
 
     def finish_gradient_sync(self) -> None:
         """End of the stepping backward: reduce what the hooks did not launch (all of it without hooks, e.g.
@@ -409,6 +442,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for pid, master in self._shard_of.items():
                 if pid not in self.self_sharded:  # FSDP2's gradients are its own (reduced already, or None)
                     master.grad = None
+            self._attach_self_sharded()
             return
         self.grad_buckets.finish()
         self._attach_gradients()
@@ -418,6 +452,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket in self.buckets:
             for p in bucket.params:
                 self._shard_of[id(p)].grad = self._grad_of[id(p)] if p.requires_grad else None
+        self._attach_self_sharded()
         self.publish_model_grads()
 
     @torch.no_grad()
@@ -441,6 +476,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         gn.local_tensor(shown).copy_(local)
                 p.grad = shown
                 self._published[id(p)] = shown
+        for p, master in self._own_masters():  # FSDP2's 16-bit gradient shows the unscaled, clipped master's
+            if p.grad is not None and master.grad is not None:
+                gn.local_tensor(p.grad).copy_(master.grad.to_local())
 
     def _published_params(self) -> list[torch.Tensor]:
         return self.model_params
@@ -520,6 +558,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """All-gather every rank's master slice into the (replicated) parameters, in their dtype. `defer`: leave
         the gathers in flight, each waited on by the forward of the modules holding its parameters."""
         self.wait_parameters()
+        self._copy_self_sharded()
         for bucket, master in zip(self.buckets, self.masters):
             if bucket.replicated:  # every rank stepped the whole (scalar) parameters: nothing to gather
                 for s in bucket.slices:
@@ -652,6 +691,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def refresh_masters_from_parameters(self) -> None:
         """After parameters were loaded directly (e.g. a single-file checkpoint), re-slice the masters."""
         self.wait_parameters()
+        self._copy_self_sharded(to_masters=True)
         for bucket, master in zip(self.buckets, self.masters):
             for s in bucket.slices:
                 bucket.local_view(master, s).copy_(s.rows_of(s.param.detach()))
