@@ -496,7 +496,7 @@ class NPUHybridStrategy(DDPStrategy):
                 wrappers[id(optimizer)] = DistributedOptimizer(
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
                     overlap=cfg.overlaps_gradient_reduction, scaler=scaler, pp_group=pp_group,
-                    compressor=self._grad_sync.compressor,
+                    compressor=self._grad_sync.dp_compressor,  # (a branch's own compressor is not the top's)
                 )
             else:
                 if needs_closure(optimizer):  # LBFGS on FSDP2 shards or tp DTensors: refused before its first step

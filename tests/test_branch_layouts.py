@@ -70,6 +70,9 @@ TWO = {
     "zero1 dp2, resume without branches": BranchCase({}, steps=3, resume="zero1 dp2"),
     # ... and at dp 1 (tp 2: no DistributedOptimizer, the text tower's 2 branch-dp ranks are its fdp)
     "zero1 tp2, text zero 3": BranchCase({"tensor_parallel_size": 2, "branch_layouts": ZERO1["branch_layouts"]}),
+    "zero1 dp2, text zero 3 accumulate 2": BranchCase(ZERO1, accumulate=2),
+    # its onebit compresses its reduce-scatter only, not ZeRO-1's buckets of the rest of the model
+    "zero1 dp2, onebit text zero 3": BranchCase({"branch_layouts": ONEBIT3["branch_layouts"]}, **LONG),
     # bf16-true: the text tower's 16-bit FSDP2 shards step through fp32 masters, saved in their place
     "zero1 bf16": BranchCase({}, precision="bf16-true"),
     "zero1 bf16, text zero 3": BranchCase(ZERO1, precision="bf16-true"),
@@ -160,6 +163,17 @@ def test_branch_zero3_under_top_level_zero1_exact_and_resumes(runs):
     assert rank0["zero1 dp2, resume without branches"]["held"][TEXT]["fdp"] == 0.0
     diff = compare(ref, rank0["zero1 tp2, text zero 3"])
     assert _exact(diff), diff
+    diff = compare(runs["ref accumulate 2"], rank0["zero1 dp2, text zero 3 accumulate 2"])
+    assert _exact(diff), diff
+    # onebit on the text tower: the bytes of the same tower at dp 1 (ZeRO-1's buckets uncompressed: x1.9 with the
+    # branch's compressor leaking into them), and training follows the uncompressed run
+    onebit, plain = rank0["zero1 dp2, onebit text zero 3"], rank0["uncompressed"]
+    ratio = onebit["compressed_bytes"] / rank0["onebit zero3"]["compressed_bytes"]
+    assert 0.9 < ratio < 1.1, ratio
+    for epoch in range(5):
+        a = sum(onebit["logged"][3 * epoch:3 * epoch + 3]) / 3
+        b = sum(plain["logged"][3 * epoch:3 * epoch + 3]) / 3
+        assert abs(a - b) < 0.5, (epoch, a, b)
     # bf16-true: within bf16 rounding of the run without branches (measured 9.1e-4; the shards stepped in bf16
     # without fp32 masters: 8.7e-3), and the resumed run is the uninterrupted one (the fp32 masters were saved)
     bf16 = rank0["zero1 bf16, text zero 3"]

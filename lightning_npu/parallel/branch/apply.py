@@ -337,6 +337,11 @@ class BranchGradientSync(GradientSync):
     def compressor(self) -> Any:  # type: ignore[override]
         return self.inner.compressor if self.inner.compressor is not None else self._compressor
 
+    @property
+    def dp_compressor(self) -> Any:
+        """Not the branches' own: a branch's `gradient_compression` must not compress ZeRO-1's top-level buckets."""
+        return self.inner.dp_compressor
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         self.enabled = False
