@@ -738,7 +738,9 @@ class NPUHybridStrategy(DDPStrategy):
             return
         self._restore_finetuning_groups()
         checkpoint = ckpt_format.own_optimizer_states(self.lightning_module, self.optimizers, dict(checkpoint))
-        if is_fully_sharded(self.lightning_module):  # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards
+        # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards; ZeRO-1's optimizer slices its own (and a branch's FSDP2
+        # shards, `DistributedOptimizer.load_state_dict`)
+        if is_fully_sharded(self.lightning_module) and not self._distributed_optimizers():
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 load_full_optimizer_state_dict(self.lightning_module, optimizer, state)
             return

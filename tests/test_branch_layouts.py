@@ -70,6 +70,9 @@ TWO = {
     "zero1 dp2, resume without branches": BranchCase({}, steps=3, resume="zero1 dp2"),
     # ... and at dp 1 (tp 2: no DistributedOptimizer, the text tower's 2 branch-dp ranks are its fdp)
     "zero1 tp2, text zero 3": BranchCase({"tensor_parallel_size": 2, "branch_layouts": ZERO1["branch_layouts"]}),
+    # a one-file checkpoint (ZeRO-1 at dp 2 without branches) into the branch's FSDP2 shards under ZeRO-1
+    "zero1 dp2 save one file": BranchCase({}, steps=2, save="zero1 dp2 file"),
+    "zero1 dp2, text zero 3 resume from one file": BranchCase(ZERO1, steps=3, resume="zero1 dp2 file"),
     "zero1 dp2, text zero 3 accumulate 2": BranchCase(ZERO1, accumulate=2),
     # its onebit compresses its reduce-scatter only, not ZeRO-1's buckets of the rest of the model
     "zero1 dp2, onebit text zero 3": BranchCase({"branch_layouts": ONEBIT3["branch_layouts"]}, **LONG),
@@ -161,6 +164,9 @@ def test_branch_zero3_under_top_level_zero1_exact_and_resumes(runs):
         diff = compare(ref, rank0[name], slice(2, 3))
         assert _exact(diff), (name, diff)
     assert rank0["zero1 dp2, resume without branches"]["held"][TEXT]["fdp"] == 0.0
+    assert os.path.isfile(os.path.join(runs["directory"], "zero1 dp2 file"))
+    diff = compare(ref, rank0["zero1 dp2, text zero 3 resume from one file"], slice(2, 3))
+    assert _exact(diff), diff
     diff = compare(ref, rank0["zero1 tp2, text zero 3"])
     assert _exact(diff), diff
     diff = compare(runs["ref accumulate 2"], rank0["zero1 dp2, text zero 3 accumulate 2"])
