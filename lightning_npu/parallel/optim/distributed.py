@@ -35,8 +35,9 @@ so the gradient norm counts each expert once and checkpoints reshard across ep s
 
 Parameters an FSDP2 unit already shards (a branch's own ZeRO 2/3 under ``branch_layouts``) are left to it: FSDP2's
 reduce-scatter has reduced their gradients over its own ranks, so they get no bucket and no dp reduction here; each
-rank steps its FSDP2 shard as it is (the parameter is its own fp32 master, its optimizer state is sharded with it),
-the gradient norm counts its DTensor gradient once, and checkpoints store it as FSDP2's DTensor.
+rank steps its FSDP2 shard as it is (an fp32 shard is its own master, a 16-bit one gets an fp32 master DTensor of the
+same layout; its optimizer state is sharded with it), the gradient norm counts its DTensor gradient once, and
+checkpoints store it as FSDP2's DTensor.
 
 A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
 steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
