@@ -105,8 +105,8 @@ class NPUHybridStrategy(DDPStrategy):
             a submodule (a CLIP tower) with its own (branch dp x branch tp) inside each top-level tp group: sharded
             at tp N, its input batch split over the tp / N branch-dp ranks and its output all-gathered, its gradients
             summed over them (compressed as its ``gradient_compression`` says). N must divide tensor_parallel_size.
-            The branch's ``zero_stage`` 2/3 shards it with FSDP2 over its dp x branch-dp ranks (top-level
-            zero_stage 0, 2 or 3; under 2/3 a branch that sets none takes the top level's); a branch ZeRO 0 takes
+            The branch's ``zero_stage`` 2/3 shards it with FSDP2 over its dp x branch-dp ranks (any top-level
+            zero_stage; under 2/3 a branch that sets none takes the top level's); a branch ZeRO 0 takes
             top-level zero_stage 0 or 1. Without pp, ep, cp or sequence_parallel (docs/layouts.md).
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
@@ -506,7 +506,7 @@ class NPUHybridStrategy(DDPStrategy):
                 wrappers[id(optimizer)] = DistributedOptimizer(
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
                     overlap=cfg.overlaps_gradient_reduction, scaler=scaler, pp_group=pp_group,
-                    compressor=self._grad_sync.compressor,
+                    compressor=self._grad_sync.dp_compressor,  # (a branch's own compressor is not the top's)
                 )
             else:
                 if needs_closure(optimizer):  # LBFGS on FSDP2 shards or tp DTensors: refused before its first step
@@ -748,7 +748,9 @@ class NPUHybridStrategy(DDPStrategy):
             return
         self._restore_finetuning_groups()
         checkpoint = ckpt_format.own_optimizer_states(self.lightning_module, self.optimizers, dict(checkpoint))
-        if is_fully_sharded(self.lightning_module):  # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards
+        # full tensors -> this rank's FSDP2 (ZeRO 2/3) shards; ZeRO-1's optimizer slices its own (and a branch's FSDP2
+        # shards, `DistributedOptimizer.load_state_dict`)
+        if is_fully_sharded(self.lightning_module) and not self._distributed_optimizers():
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 load_full_optimizer_state_dict(self.lightning_module, optimizer, state)
             return

@@ -31,6 +31,7 @@ class BranchCase:
     resume: Optional[str] = None  # resume from this checkpoint (same), up to `steps`
     samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
     accumulate: int = 1  # accumulate_grad_batches (batches per optimizer step)
+    precision: Optional[str] = None  # the Trainer's (None: its default, fp32)
 
 
 class BranchBytes(L.Callback):
@@ -57,7 +58,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
-        accumulate_grad_batches=case.accumulate,
+        accumulate_grad_batches=case.accumulate, **({"precision": case.precision} if case.precision else {}),
     )
     loader = DataLoader(ZooData("clip", case.samples), batch_size=case.batch // dp, shuffle=False)
     ckpt = os.path.join(directory, case.resume) if case.resume else None
@@ -68,6 +69,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
+            "text_state": state_held(trainer, TEXT),
             "compressed_bytes": sent.compressed,
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
@@ -82,6 +84,21 @@ def held(module: torch.nn.Module) -> dict[str, float]:
     over_fdp = [p for p in params if isinstance(p, DTensor) and "fdp" in (p.device_mesh.mesh_dim_names or ())]
     return {"fdp": len(over_fdp) / len(params),
             "local": sum(p.to_local().numel() for p in over_fdp) / max(1, sum(p.numel() for p in over_fdp))}
+
+
+def state_held(trainer: L.Trainer, prefix: str) -> Optional[float]:
+    """Under ZeRO-1 (a `DistributedOptimizer`): the elements of the optimizer's ``exp_avg`` under `prefix` this rank
+    holds over their full count (None in other layouts)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+
+    opt = unwrap_optimizer(trainer.strategy.optimizers[0]) if trainer.strategy.optimizers else None
+    if not hasattr(opt, "sharded_state_dict"):
+        return None
+    held = [v for k, v in opt.sharded_state_dict().items()
+            if k.startswith(f"state.{prefix}.") and k.endswith(".exp_avg") and isinstance(v, DTensor)]
+    return sum(v.to_local().numel() for v in held) / max(1, sum(v.numel() for v in held))
 
 
 def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:

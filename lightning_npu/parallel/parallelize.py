@@ -254,9 +254,11 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
     if cfg.uses_distributed_optimizer:
         # the DistributedOptimizer's buckets reduce-scatter the gradients (bound in setup_optimizers)
         if pipeline is None:
-            # start from dp-rank 0's weights, as DDP would (each ep rank keeps its own experts)
-            data_parallel.broadcast_module_states(model, mesh, ignore=set(expert_names or ()))
-            model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ())
+            # start from dp-rank 0's weights, as DDP would (each ep rank keeps its own experts, each rank of a ZeRO-2/3
+            # branch its own FSDP2 shards)
+            ignore = list(expert_names or ()) + list(self_reduced or ())
+            data_parallel.broadcast_module_states(model, mesh, ignore=set(ignore))
+            model._ddp_params_and_buffers_to_ignore = list(tp_names) + ignore
         return model, gs.DistributedOptimizerSync(compressor)
     if pipeline is not None:
         if cfg.replicas == 1:

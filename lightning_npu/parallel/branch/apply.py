@@ -11,8 +11,8 @@ A branch's own ``zero_stage`` 2/3 (`shard_branches`) makes its blocks and itself
 (outer x bdp) ranks flattened: every rank that holds the same branch tp shard. Its tp parameters stay DTensors on
 ``btp``, which FSDP2 makes 2-D (fdp, btp) as torchtitan composes FSDP2 with TP. The one reduce-scatter over fdp then
 does both sums at once: over bdp (the slices' parts) and over the top-level dp (``outer``), divided by the top-level
-dp size only (`gradient_divisor`), the mean over the global batch. So nothing else reduces those parameters: DDP and
-`BranchGradientSync` skip them.
+dp size only (`gradient_divisor`), the mean over the global batch. So nothing else reduces those parameters: DDP,
+ZeRO-1's buckets (its optimizer steps the shards as they are) and `BranchGradientSync` skip them.
 """
 
 from __future__ import annotations
@@ -336,6 +336,11 @@ class BranchGradientSync(GradientSync):
     @property
     def compressor(self) -> Any:  # type: ignore[override]
         return self.inner.compressor if self.inner.compressor is not None else self._compressor
+
+    @property
+    def dp_compressor(self) -> Any:
+        """Not the branches' own: a branch's `gradient_compression` must not compress ZeRO-1's top-level buckets."""
+        return self.inner.dp_compressor
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -3,7 +3,8 @@
 A branch is a submodule (``model.text_model``) that factorizes each top-level tp group into its own
 (branch dp x branch tp): its ranks read the same batch, so a branch at a smaller tp splits that batch over its
 branch-dp ranks instead of sharding weights as finely. A branch's ``zero_stage`` 2/3 shards it with FSDP2 over all
-its dp ranks (the top-level dp x its branch dp). What is not built yet is refused here, naming the argument.
+its dp ranks (the top-level dp x its branch dp), under any top-level zero_stage (ZeRO-1's optimizer leaves FSDP2's
+shards to it). What is not built yet is refused here, naming the argument.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> li
             raise ParallelConfigError(f"{where}['zero_stage']={zero!r} must be 0, 2 or 3.")
         if zero == 1:
             raise ParallelConfigError(
-                f"{where}['zero_stage']=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 0 (the branch "
-                "follows the top-level zero_stage) or 3 (2) to shard its parameters (and gradients) over its dp ranks.")
+                f"{where}['zero_stage']=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 3 (or 2) to "
+                "shard its parameters, gradients and optimizer state over its dp ranks (under any top-level "
+                "zero_stage), or 0 to follow a top-level zero_stage 0 or 1.")
         raw = options.get("gradient_compression")
         try:
             spec = parse_compression(raw)
@@ -99,11 +101,6 @@ def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
             raise ParallelConfigError(
                 f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level "
                 "ZeRO 2/3 a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
-        if cfg.zero_stage == 1 and b.zero_stage in (2, 3):
-            # ZeRO-1's buckets would reduce the branch's FSDP2 shards over dp a second time
-            raise ParallelConfigError(
-                f"{where} with the top-level `zero_stage=1` is not built yet: use the top-level zero_stage 0, 2 or 3, "
-                "or the branch's 'zero_stage': 0.")
     for b in branches:
         if cfg.tensor_parallel_size % b.tensor_parallel_size:
             raise ParallelConfigError(

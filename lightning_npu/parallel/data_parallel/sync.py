@@ -485,6 +485,12 @@ class GradientSync:
     enabled = True
     compressor: Any = None  # the `compression.Compressor` every bucket reduction of this layout goes through
 
+    @property
+    def dp_compressor(self) -> Any:
+        """The compressor of the top-level dp reduction (`gradient_compression`), which ZeRO-1's buckets take; a
+        wrapper adding other reductions (a branch's own compression) returns its inner layout's."""
+        return self.compressor
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulating micro-steps: no gradient communication until the stepping one."""

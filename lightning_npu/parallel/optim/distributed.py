@@ -33,6 +33,12 @@ that hold the same experts, their SUM divided by dp (the all-to-all's backward a
 masters are sliced over edp inside the ep shard: 2-D DTensors over ``(edp, ep)``, FSDP2's layout of ZeRO-3's experts,
 so the gradient norm counts each expert once and checkpoints reshard across ep sizes and ZeRO stages.
 
+Parameters an FSDP2 unit already shards (a branch's own ZeRO 2/3 under ``branch_layouts``) are left to it: FSDP2's
+reduce-scatter has reduced their gradients over its own ranks, so they get no bucket and no dp reduction here; each
+rank steps its FSDP2 shard as it is (an fp32 shard is its own master, a 16-bit one gets an fp32 master DTensor of the
+same layout; its optimizer state is sharded with it), the gradient norm counts its DTensor gradient once, and
+checkpoints store it as FSDP2's DTensor.
+
 A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
 steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
 
@@ -58,7 +64,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 from lightning_npu.parallel.collectives import all_gather_into
-from lightning_npu.parallel.data_parallel.sync import GradientBuckets
+from lightning_npu.parallel.data_parallel.sync import GradientBuckets, fsdp_modules
 from lightning_npu.parallel.mesh import replica_dim, replica_mesh
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, refuse_unflattenable
@@ -73,6 +79,12 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "Rprop", "ASGD")
     if hasattr(torch.optim, name)
 )
+
+
+def fsdp_sharded(module: nn.Module) -> set[int]:
+    """ids of the parameters FSDP2 units of `module` shard (a branch's own ZeRO 2/3): they reduce-scatter their own
+    gradients, so ZeRO-1 neither buckets nor slices them."""
+    return {id(p) for m in fsdp_modules(module) for p in m.parameters() if isinstance(p, DTensor)}
 
 
 def _is_expert(param: torch.Tensor) -> bool:
@@ -172,8 +184,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"{self.closure_optimizer} with expert_parallel_size > 1 at zero_stage=1 is not supported (its "
                 "DTensor steps would mix the experts' and the other parameters' meshes); use an element-wise "
                 "optimizer such as AdamW, or zero_stage=0.")
-        self.grad_buckets = GradientBuckets([p for p in params if id(p) not in experts], self.dp_mesh,
-                                            bucket_size_mb, shard=True, overlap=overlap, compressor=compressor)
+        # FSDP2's own shards (a branch's ZeRO 2/3): stepped as they are, no bucket (`_add_self_sharded`)
+        self.self_sharded = fsdp_sharded(module) & {id(p) for p in params}
+        if self.self_sharded and self.steps_dtensors:
+            raise ValueError(
+                f"{self.closure_optimizer} with a branch's own zero_stage 2/3 under the top-level zero_stage=1 is not "
+                "supported (its DTensor steps would mix the branch's and the other parameters' meshes); use an "
+                "element-wise optimizer such as AdamW, or the top-level zero_stage 0, 2 or 3.")
+        self.grad_buckets = GradientBuckets([p for p in params if id(p) not in experts | self.self_sharded],
+                                            self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap,
+                                            compressor=compressor)
         if experts:
             for bucket in self.grad_buckets.add([p for p in params if id(p) in experts], mesh=self.edp_mesh,
                                                 divide_by=self.dp):
@@ -189,6 +209,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # the AdamW step itself on the example GPT
         self._local_of: dict[int, nn.Parameter] = {}
         self._add_masters(self.buckets)
+        self._add_self_sharded([p for p in params if id(p) in self.self_sharded])
         # the parameter all-gather overlapped with the next forward (pp = 1: the pipeline's stages run their own
         # forward; LBFGS re-evaluates inside its step): bucket index -> (gathered, work), waited by pre-hooks
         self.defer_gather = (overlap and not self.steps_dtensors) if defer_gather is None else defer_gather
@@ -240,6 +261,57 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             refuse_unflattenable(self.closure_optimizer, [
                 (self.fqn[id(s.param)], self._shard_of[id(s.param)]) for b in buckets for s in b.slices], "zero_stage=1")
 
+    @torch.no_grad()
+    def _add_self_sharded(self, params: list[nn.Parameter]) -> None:
+        """FSDP2's sharded fp32 parameters are their own masters: the public groups hold them (DTensors), the user's
+        optimizer class steps a plain Parameter over their local shard (`_rebind_self_sharded` re-points it). A
+        16-bit shard (``bf16-true``) gets an fp32 master DTensor of the same layout, copied back after each step:
+        master weights stay fp32, as for ZeRO-1's slices."""
+        for p in params:
+            master = p
+            if p.dtype != torch.float32:
+                master = nn.Parameter(DTensor.from_local(p.to_local().float(), p.device_mesh, p.placements,
+                                                         run_check=False, shape=p.shape, stride=p.stride()),
+                                      requires_grad=p.requires_grad)
+                tensor_state(master).master = True  # checkpoints store it in place of the parameter
+            self._shard_of[id(p)] = master
+            self._local_of[id(master)] = nn.Parameter(master.to_local(), requires_grad=p.requires_grad)
+
+    def _own_masters(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(FSDP2 shard, its master) for the shards stepped through a separate fp32 master (16-bit shards)."""
+        pairs = ((self._params_by_id[pid], self._shard_of[pid]) for pid in sorted(self.self_sharded))
+        return [(p, m) for p, m in pairs if m is not p]
+
+    @torch.no_grad()
+    def _rebind_self_sharded(self) -> None:
+        """FSDP2 may swap a sharded parameter's local storage (re-padding it at its lazy init, a state-dict load):
+        the stepped Parameter (the key of its optimizer state) is re-pointed at the current one before each use."""
+        for pid in self.self_sharded:
+            p = self._shard_of[pid]
+            if p is not self._params_by_id[pid]:  # its own fp32 master: storage of ours
+                continue
+            view = self._local_of[id(p)]
+            local = p.to_local()
+            if view.data_ptr() != local.data_ptr() or view.shape != local.shape:
+                view.data = local
+
+    @torch.no_grad()
+    def _attach_self_sharded(self) -> None:
+        """16-bit shards: their masters get FSDP2's reduced gradient in fp32 (fp32 shards carry their own)."""
+        for p, master in self._own_masters():
+            master.grad = None if p.grad is None or not p.requires_grad else DTensor.from_local(
+                p.grad.to_local().float(), master.device_mesh, master.placements, run_check=False,
+                shape=master.shape, stride=master.stride())
+
+    @torch.no_grad()
+    def _copy_self_sharded(self, to_masters: bool = False) -> None:
+        """16-bit shards from their fp32 masters after a step or a load (`to_masters`: the other way)."""
+        for p, master in self._own_masters():
+            if to_masters:
+                master.to_local().copy_(p.to_local())
+            else:
+                p.to_local().copy_(master.to_local())
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A new group while training (Lightning's `BaseFinetuning` unfreezing layers): its parameters get their own
         gradient buckets and fp32 master slices, the user's optimizer class steps them with the group's
@@ -261,7 +333,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.edp_mesh is not None and any(_is_expert(p) for p in params):
             raise ValueError("add_param_group: adding expert-parallel parameters while training is not supported at "
                              "zero_stage=1; put them in `configure_optimizers`' groups, or use zero_stage=0.")
-        self._add_masters(self.grad_buckets.add(params))
+        new_sharded = fsdp_sharded(self._module) & {id(p) for p in params}
+        self._add_masters(self.grad_buckets.add([p for p in params if id(p) not in new_sharded]))
+        self.self_sharded |= new_sharded
+        self._add_self_sharded([p for p in params if id(p) in new_sharded])
         self.model_params.extend(params)
         hparams = {k: v for k, v in param_group.items() if k != "params"}
         self.inner.add_param_group({**hparams, "params": [self._local_of[id(self._shard_of[id(p)])] for p in params]})
@@ -352,8 +427,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                                   shape=param.shape, stride=param.stride())
 
     def master_of(self, param: torch.Tensor) -> Optional[nn.Parameter]:
-        """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here)."""
-        return self._shard_of.get(id(param))
+        """The fp32 DTensor slice this rank steps for a model parameter (None if not managed here, or if the
+        parameter is an fp32 FSDP2 shard, its own master)."""
+        master = self._shard_of.get(id(param))
+        return None if master is param else master
 
     def finish_gradient_sync(self) -> None:
         """End of the stepping backward: reduce what the hooks did not launch (all of it without hooks, e.g.
@@ -363,8 +440,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         manual optimization) communicates nothing and leaves the masters without gradients, so it steps nothing.
         """
         if not self.grad_buckets.has_gradients():
-            for master in self._shard_of.values():
-                master.grad = None
+            for pid, master in self._shard_of.items():
+                if pid not in self.self_sharded:  # FSDP2's gradients are its own (reduced already, or None)
+                    master.grad = None
+            self._attach_self_sharded()
             return
         self.grad_buckets.finish()
         self._attach_gradients()
@@ -374,6 +453,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket in self.buckets:
             for p in bucket.params:
                 self._shard_of[id(p)].grad = self._grad_of[id(p)] if p.requires_grad else None
+        self._attach_self_sharded()
         self.publish_model_grads()
 
     @torch.no_grad()
@@ -397,6 +477,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         gn.local_tensor(shown).copy_(local)
                 p.grad = shown
                 self._published[id(p)] = shown
+        for p, master in self._own_masters():  # FSDP2's 16-bit gradient shows the unscaled, clipped master's
+            if p.grad is not None and master.grad is not None:
+                gn.local_tensor(p.grad).copy_(master.grad.to_local())
 
     def _published_params(self) -> list[torch.Tensor]:
         return self.model_params
@@ -476,6 +559,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """All-gather every rank's master slice into the (replicated) parameters, in their dtype. `defer`: leave
         the gathers in flight, each waited on by the forward of the modules holding its parameters."""
         self.wait_parameters()
+        self._copy_self_sharded()
         for bucket, master in zip(self.buckets, self.masters):
             if bucket.replicated:  # every rank stepped the whole (scalar) parameters: nothing to gather
                 for s in bucket.slices:
@@ -518,6 +602,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._rebind_self_sharded()
         for public, local in zip(self.optimizer.param_groups, self.inner.param_groups):
             for master, view in zip(public["params"], local["params"]):
                 view.grad = None if master.grad is None else master.grad.to_local()  # None: skipped (frozen, guard)
@@ -555,6 +640,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         self.wait_parameters()
+        self._rebind_self_sharded()
         _init_optim_state(self.inner)  # a fresh optimizer has no state tensors to load into yet
         out: dict[str, Any] = {}
         fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
@@ -572,6 +658,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Apply a dict from :meth:`sharded_state_dict` that DCP has filled in place (or re-sliced)."""
         self.wait_parameters()
+        self._rebind_self_sharded()
         fqn_of_master = {id(m): self.fqn[pid] for pid, m in self._shard_of.items()}
         for group in self.optimizer.param_groups:
             for master in group["params"]:
@@ -605,6 +692,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def refresh_masters_from_parameters(self) -> None:
         """After parameters were loaded directly (e.g. a single-file checkpoint), re-slice the masters."""
         self.wait_parameters()
+        self._copy_self_sharded(to_masters=True)
         for bucket, master in zip(self.buckets, self.masters):
             for s in bucket.slices:
                 bucket.local_view(master, s).copy_(s.rows_of(s.param.detach()))
@@ -626,14 +714,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 "The optimizer state does not match this optimizer's param groups (group count or sizes differ); "
                 "resume with the same `configure_optimizers`."
             )
-        by_master = {id(m): self.grad_buckets.slice_of[pid][1] for pid, m in self._shard_of.items()}
+        self._rebind_self_sharded()
+        by_master = {id(m): self.grad_buckets.slice_of[pid][1] for pid, m in self._shard_of.items()
+                     if pid not in self.self_sharded}
         for saved, mine in zip(groups, self.optimizer.param_groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
             for index, master in zip(saved["params"], mine["params"]):
-                s = by_master[id(master)]
+                s = by_master.get(id(master))
                 entry = {}
                 for name, value in state_dict["state"].get(index, {}).items():
-                    if isinstance(value, torch.Tensor) and value.shape == s.param.shape and s.param.dim():
+                    if s is None and isinstance(value, torch.Tensor) and value.shape == master.shape and master.dim():
+                        value = _local_part(value, master)  # FSDP2's shard of a full state tensor
+                    elif s is not None and isinstance(value, torch.Tensor) and value.shape == s.param.shape \
+                            and s.param.dim():
                         value = s.rows_of(value).to(torch.float32).contiguous()
                     elif isinstance(value, torch.Tensor):
                         value = value.clone()
@@ -642,3 +735,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer(dp={self.dp}, buckets={len(self.buckets)}, inner={self.inner!r})"
+
+
+def _local_part(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
+    """This rank's part of a full tensor laid out as `sharded` (an FSDP2 parameter), fp32."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(sharded.shape, sharded.device_mesh, sharded.placements)
+    out = full
+    for dim, (size, start) in enumerate(zip(shape, offset)):
+        out = out.narrow(dim, start, size)
+    return out.to(device=sharded.to_local().device, dtype=torch.float32).contiguous()
