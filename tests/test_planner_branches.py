@@ -111,6 +111,66 @@ def test_branch_costs_equal_hand_computed_values(compression, sent):
     assert memory.buffers == text.gathered_output  # dp 1: no gradient buckets
 
 
+@pytest.mark.parametrize("zero", [3, 2])
+def test_a_branch_zero_stage_costs_equal_hand_computed_values(zero):
+    """The zoo CLIP on 4 ranks (dp 2 x tp 2), fp32, ZeRO 0, 2 micro-batches of 4 pairs: vision at tp 2 as before, text
+    at tp 1 with its own ZeRO 3 (or 2) over fdp = dp 2 x branch dp 2 = 4 ranks. Its states shard over fdp, one
+    reduce-scatter of its fp32 gradients per step replaces its branch-dp sum and the top-level dp reduction, and its
+    parameters are all-gathered twice (ZeRO-3) or once (ZeRO-2) per micro-batch, hidden under its compute."""
+    model = _clip(ZOO, 16)
+    cluster = ClusterSpec(devices=4, peak_tflops=1.0, gemm_efficiency=0.5, intra_node_GBps=392.0, intra_latency_us=2.0)
+    layout = Layout(2, 1, 2, 0, 2, 4, branches=(BranchChoice(VISION, 2), BranchChoice(TEXT, 1, None, zero)))
+    vision, text = branch_costs(model, cluster, layout, "32-true", "adamw")
+    h, f, rate, bw, lat = 32, 64, 0.5e12, 392e9, 2e-6
+    ring = lambda nbytes, n, factor: factor * (n - 1) * lat + factor * (n - 1) / n * nbytes / bw  # noqa: E731
+    block = 4 * h * h + 2 * h * f + (5 * h + f)
+
+    assert (text.params, text.zero_stage, text.fdp, text.bdp, vision.zero_stage, vision.fdp) == (21_760, zero, 4, 2,
+                                                                                                  0, 1)
+    # fp32 weights (sharded at 3 only), gradients and Adam's two moments sharded over fdp 4
+    assert (text.parameters, text.gradients, text.optimizer) == ((21_760 if zero == 3 else 87_040), 21_760, 43_520)
+    assert text.fsdp_buffers == 2 * block * 4 == 67_328  # FSDP2's two gathered blocks in flight, fp32
+    assert text.grad_sum_bytes == 4 * 21_760 == 87_040  # the reduce-scatter's fp32 gradients, once per step
+    mb_compute = 2 * (6 * block + 12 * h * 16) * 2 * 16 / rate  # 2 samples x 16 tokens per micro-batch
+    assert text.compute_s == pytest.approx(2 * mb_compute, rel=1e-12)
+    assert mb_compute == pytest.approx(7.249_92e-6, rel=1e-9)
+    reduce_scatter = ring(87_040, 4, 1)
+    assert text.grad_sum_s == pytest.approx(reduce_scatter - mb_compute * 2 / 3, rel=1e-12)  # past the backward
+    assert text.grad_sum_s == pytest.approx(1.33325e-6, rel=1e-5)
+    gathers = (2 if zero == 3 else 1) * ring(4 * 21_760, 4, 1)
+    assert text.param_gather_s == pytest.approx(2 * max(0.0, gathers - mb_compute), rel=1e-12)
+    assert text.param_gather_s == pytest.approx(1.01663e-5 if zero == 3 else 0.0, rel=1e-5, abs=1e-15)
+    assert text.gather_s == pytest.approx(2 * ring(4 * 17 * h * 4, 2, 1), rel=1e-12)  # the output gather, unchanged
+
+    memory = branched_memory(model, layout, [vision, text], "32-true", "adamw")
+    trunk = 16 * (h + h) + 1
+    assert memory.parameters + memory.gradients + memory.optimizer == \
+        16 * (10_976 + trunk) + (87_040 if zero == 3 else 152_320)
+    assert memory.buffers == 2 * 25 * 2**20 + text.gathered_output + 67_328  # the dp buckets now carry no text
+    step = branched_step_time(model, cluster, layout, [vision, text], "32-true")
+    towers = sum(c.compute_s + c.tp_comm_s + c.gather_s + c.grad_sum_s + c.param_gather_s for c in (vision, text))
+    window = (vision.compute_s + text.compute_s) / 2 * 2 / 3
+    top_dp = max(0.0, ring((10_976 + trunk) * 4, 2, 2) - window)  # vision and the trunk only
+    assert step.step_s == pytest.approx(towers + top_dp, rel=1e-12)
+    assert layout.strategy_init_args()["branch_layouts"] == {TEXT: {"tensor_parallel_size": 1, "zero_stage": zero}}
+
+
+def test_a_branch_zero3_layout_is_the_one_that_fits():
+    """ViT-L/14 + its text tower, 4096 pairs on 8 devices of 1.25 GB: at branch ZeRO 0 under the top-level ZeRO 0/1,
+    nothing fits; with the branch ZeRO searched, every fitting layout shards a tower over its fdp, and the best runs
+    both towers at tp 2 with their own ZeRO-3 over fdp 4 (top-level dp 4 at ZeRO 0)."""
+    model, cluster = _clip(VIT_L14, 4096), ClusterSpec(devices=8, device_memory_gb=1.25)
+    assert plan(model, cluster, zero_stages=(0, 1)).ranked == []
+    result = plan(model, cluster)
+    assert len(result.ranked) == 24 and all(any(b.zero_stage for b in e.layout.branches) for e in result.ranked)
+    best = result.best
+    assert best.layout.describe() == "tp2 pp1 dp4 zero0 M1024x1 vision_model:tp2+zero3 text_model:tp2+zero3"
+    assert [(c.zero_stage, c.fdp) for c in best.branches] == [(3, 4), (3, 4)]
+    assert best.memory.total <= cluster.usable_bytes
+    assert best.layout.strategy_init_args()["branch_layouts"] == {
+        VISION: {"tensor_parallel_size": 2, "zero_stage": 3}, TEXT: {"tensor_parallel_size": 2, "zero_stage": 3}}
+
+
 # ---- the ranking on CLIP-size models -------------------------------------------------------------------------------
 def _tps(estimate) -> tuple[int, int]:
     return tuple(b.tp for b in estimate.layout.branches)
@@ -133,11 +193,15 @@ def test_time_gives_branch_dp_to_the_token_heavy_tower():
     activations (4 all-reduces of b s h per block), branch dp moves gradients once per step (its parameters).
     ViT-L/14's tower has 257 tokens per sample and 24 blocks (8.9x the text tower's tp traffic for 2.5x its
     parameters), so the planner gives the vision tower branch dp and keeps the text tower at tp 4. (With ZeRO-1
-    searched, dp 8 at tp 1 fits on 4 GB and ranks first: ZeRO frees the memory tp was for.)"""
+    searched, dp 8 at tp 1 fits on 4 GB and ranks first: ZeRO frees the memory tp was for. With ZeRO 2/3 searched too,
+    both towers shard themselves over fdp 8 instead: their gathers hide under compute, ZeRO-1's fp32 gather does
+    not.)"""
     model, cluster = _clip(VIT_L14, 4096), ClusterSpec(devices=8, device_memory_gb=4.0)
     result = plan(model, cluster, zero_stages=(0,))
     assert (result.best.layout.tp, _tps(result.best)) == (4, (2, 4))
-    assert plan(model, cluster).best.layout.describe().startswith("tp1 pp1 dp8 zero1")
+    assert plan(model, cluster, zero_stages=(0, 1)).best.layout.describe().startswith("tp1 pp1 dp8 zero1")
+    assert plan(model, cluster).best.layout.describe() == \
+        "tp1 pp1 dp8 zero0 M64x8 vision_model:tp1+zero3 text_model:tp1+zero3"
 
     def step(v, t):
         lay = Layout(4, 1, 2, 0, 256, 8, branches=(BranchChoice(VISION, v), BranchChoice(TEXT, t)))
@@ -153,8 +217,12 @@ def test_time_gives_branch_dp_to_the_token_heavy_tower():
 
 def test_a_tower_whose_heads_stop_its_tp_runs_as_a_branch():
     """OpenCLIP ViT-bigG/14's shape (2.54 B): its text tower has 20 heads, so tp 8 cannot split it; on 8 devices of
-    8 GB the vision tower needs tp 8 and the text tower runs at tp 4 over 2 branch-dp ranks, with its onebit sum."""
-    result = plan(_clip(VIT_BIGG14, 4096, "onebit"), ClusterSpec(devices=8, device_memory_gb=8.0))
+    8 GB the vision tower needs tp 8 and the text tower runs at tp 4 over 2 branch-dp ranks, with its onebit sum (ZeRO
+    0/1 searched: no branch ZeRO). With ZeRO 2/3 searched, the vision tower shards itself at tp 1 over fdp 8 instead."""
+    model, cluster = _clip(VIT_BIGG14, 4096, "onebit"), ClusterSpec(devices=8, device_memory_gb=8.0)
+    assert plan(model, cluster).best.layout.describe() == \
+        "tp4 pp1 dp2 zero1 M512x4 vision_model:tp1+zero3 text_model:tp4"
+    result = plan(model, cluster, zero_stages=(0, 1))
     assert _tps(result.best) == (8, 4)
     args = result.best.layout.strategy_init_args()
     assert args["branch_layouts"] == {TEXT: {"tensor_parallel_size": 4, "gradient_compression": "onebit"}}
@@ -164,16 +232,23 @@ def test_a_tower_whose_heads_stop_its_tp_runs_as_a_branch():
 
 def test_every_ranked_layout_builds_the_strategy():
     """What the planner proposes, `NPUHybridStrategy` accepts (branch tp dividing the top level's, no pp/ep/cp/sp,
-    ZeRO 0/1, branch ZeRO 0)."""
+    a branch zero_stage 0/2/3 under the top-level ZeRO 0/1, 2/3 under 2/3), with and without text compression."""
     from lightning_npu import NPUHybridStrategy
 
+    seen = set()
     for sizes, memory in ((VIT_L14, 4.0), (VIT_BIGG14, 8.0), (ZOO, 64.0)):
-        result = plan(_clip(sizes, 512, "onebit"), ClusterSpec(devices=8, device_memory_gb=memory))
-        assert result.ranked
-        for e in result.ranked:
-            args = e.layout.strategy_init_args()
-            assert args["pipeline_parallel_size"] == 1 and args["zero_stage"] in (0, 1)
-            NPUHybridStrategy(**args)
+        for compression in ("onebit", None):
+            result = plan(_clip(sizes, 512, compression), ClusterSpec(devices=8, device_memory_gb=memory))
+            assert result.ranked
+            for e in result.ranked:
+                args = e.layout.strategy_init_args()
+                assert args["pipeline_parallel_size"] == 1
+                for entry in (args.get("branch_layouts") or {}).values():
+                    assert entry.get("zero_stage", 0) in (0, 2, 3)
+                    seen.add((args["zero_stage"], entry.get("zero_stage", 0)))
+                NPUHybridStrategy(**args)
+    # every top-level stage with the branch stages it composes with
+    assert seen == {(0, 0), (0, 2), (0, 3), (1, 0), (1, 2), (1, 3), (2, 2), (2, 3), (3, 2), (3, 3)}
 
 
 def test_cli_prints_per_tower_costs_and_the_branch_layouts_block(tmp_path, capsys):
@@ -183,10 +258,13 @@ def test_cli_prints_per_tower_costs_and_the_branch_layouts_block(tmp_path, capsy
     assert plan_main(args) == 0
     out = capsys.readouterr().out
     assert "vision_model tp" in out and "text_model tp" in out and "per tower" in out
-    assert f'branch_layouts: {{"{TEXT}": {{"tensor_parallel_size": 4, "gradient_compression": "onebit"}}}}' in out
+    # the best layout (test_a_tower_whose_heads_stop_its_tp_runs_as_a_branch): vision at its own ZeRO-3 over fdp 8
+    assert f'branch_layouts: {{"{VISION}": {{"tensor_parallel_size": 1, "zero_stage": 3}}}}' in out
+    assert "vision_model: tp 1 x branch dp 4, zero 3 over fdp 8" in out
     assert plan_main([*args, "--json"]) == 0
     best = json.loads(capsys.readouterr().out)["layouts"][0]
-    assert [b["tp"] for b in best["branches"]] == [8, 4] and best["strategy"]["branch_layouts"][TEXT]
+    assert [(b["tp"], b["zero_stage"], b["fdp"]) for b in best["branches"]] == [(1, 3, 8), (4, 0, 1)]
+    assert best["strategy"]["branch_layouts"] == {VISION: {"tensor_parallel_size": 1, "zero_stage": 3}}
     assert best["step_time_breakdown_s"]["branches"] > 0
 
 

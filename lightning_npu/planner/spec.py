@@ -205,17 +205,21 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class BranchChoice:
     """One tower's layout inside each top-level tp group (the strategy's ``branch_layouts`` entry): its own tp size,
-    the rest of the group as its branch dp, and the compression of its branch-dp gradient sum (the user's, not
-    searched: it changes the numerics)."""
+    the rest of the group as its branch dp, the compression of its branch-dp gradient sum (the user's, not
+    searched: it changes the numerics), and its own ZeRO stage: 0, or 2/3 (FSDP2 over fdp = top-level dp x branch dp;
+    a branch ZeRO-1 is not built)."""
 
     glob: str
     tp: int
     compression: Any = None  # as `branch_layouts[glob]["gradient_compression"]` takes it
+    zero_stage: int = 0  # as `branch_layouts[glob]["zero_stage"]` takes it
 
     def strategy_entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"tensor_parallel_size": self.tp}
         if self.compression is not None:
             entry["gradient_compression"] = self.compression
+        if self.zero_stage:
+            entry["zero_stage"] = self.zero_stage
         return entry
 
 
@@ -271,7 +275,8 @@ class Layout:
             parts.append(f"ac-{self.recompute}")
         for b in self.branches:
             compressed = b.compression is not None and b.tp < self.tp
-            parts.append(f"{b.glob.rsplit('.', 1)[-1]}:tp{b.tp}" + (f"+{_mode(b.compression)}" if compressed else ""))
+            parts.append(f"{b.glob.rsplit('.', 1)[-1]}:tp{b.tp}" + (f"+{_mode(b.compression)}" if compressed else "")
+                         + (f"+zero{b.zero_stage}" if b.zero_stage else ""))
         return " ".join(parts)
 
     def strategy_init_args(self) -> dict[str, Any]:
@@ -293,8 +298,9 @@ class Layout:
             args["sequence_parallel"] = True
         if self.recompute:
             args["activation_checkpointing"] = self.recompute
-        if self.branches:  # a tower at the top-level tp has no branch dp: no entry (and nothing to compress)
-            entries = {b.glob: b.strategy_entry() for b in self.branches if b.tp < self.tp}
+        if self.branches:  # a tower at the top-level tp has no branch dp: no entry (and nothing to compress), unless
+            # it shards itself (its own ZeRO 2/3 over fdp = the top-level dp)
+            entries = {b.glob: b.strategy_entry() for b in self.branches if b.tp < self.tp or b.zero_stage}
             if entries:
                 args["branch_layouts"] = entries
         return args

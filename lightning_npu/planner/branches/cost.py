@@ -16,6 +16,20 @@ per top-level dp rank:
   synchronous, so not overlapped;
 - the model states follow the top-level ZeRO stage (0 or 1) over the top-level dp, as the strategy holds them.
 
+A tower at its own ZeRO stage z = 2 or 3 (`BranchChoice.zero_stage`: FSDP2 over fdp = top-level dp x d_i ranks) is
+costed with the single-tower ZeRO-2/3 terms (`memory.model_state_bytes`, `memory.buffer_bytes`, `timing`'s rings):
+
+- its states are sharded over fdp at stage z (optimizer and gradients; the parameters too at 3), plus FSDP2's two
+  gathered blocks in flight (in the gather dtype, `memory.gather_bytes`);
+- one reduce-scatter over fdp of its fp32 gradients per step replaces the branch-dp sum and the top-level dp
+  reduction for the tower, exposed beyond the last micro-batch's backward of the tower (as `timing`'s ZeRO-2
+  reduction); a compressed tower is not costed at 2/3 (the search keeps it at 0);
+- its parameters are all-gathered over fdp in every micro-batch's forward, and again in its backward at 3 (2 at
+  ZeRO-2 keeps them from forward to backward: one gather), overlapping the tower's compute as `timing`'s ZeRO-3
+  gathers overlap a micro-batch's; only what exceeds that compute counts.
+
+fdp lies in a node while the top-level tp x dp does (the top-level dp group's rule).
+
 The towers run one after another, so their compute and communication add; the top-level dp reduction covers every
 parameter on the rank and overlaps the last micro-batch's backward (as in `timing`). The trunk (CLIP's projections
 and logit scale) is replicated; its FLOPs and the contrastive logits are left out (under 0.1% of a step).
@@ -32,6 +46,7 @@ from lightning_npu.planner.memory import (
     PRECISION_BYTES,
     StageMemory,
     buffer_bytes,
+    gather_bytes,
     model_state_bytes,
     stage_activation_bytes,
     stage_params,
@@ -61,6 +76,10 @@ class BranchCost:
     gather_s: float
     grad_sum_s: float  # once per step
     grad_sum_bytes: float  # this rank's payload for the branch-dp sum per step (`BranchGradientSync.sent_bytes`)
+    zero_stage: int = 0  # the tower's own: 0, or 2/3 (FSDP2 over fdp)
+    fdp: int = 1  # ranks its ZeRO-2/3 shards over (top-level dp x bdp); 1 at zero_stage 0
+    param_gather_s: float = 0.0  # exposed parameter all-gathers per step (ZeRO 2/3)
+    fsdp_buffers: float = 0.0  # FSDP2's gathered blocks in flight (ZeRO 2/3; `memory.buffer_bytes`)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -100,7 +119,16 @@ def tower_cost(tower: Tower, choice: BranchChoice, layout: Layout, cluster: Clus
     lay = tower_layout(layout, choice_tp, samples)
     _, _, _, act = PRECISION_BYTES[precision]
     params = stage_params(m, lay, 0)
-    states = model_state_bytes(params, layout.dp, layout.zero_stage, precision, optimizer, accounting=accounting)
+    zero, fdp = choice.zero_stage, layout.dp * bdp
+    if zero not in (0, 2, 3) or (zero and choice.compression is not None):
+        raise PlannerError(f"tower {tower.glob!r} at zero_stage {zero}: the planner costs a branch zero_stage of 0, "
+                           "2 or 3, and 2/3 only uncompressed; pass one of those.")
+    if zero:  # FSDP2 over fdp: the single-tower ZeRO-2/3 states and gathered blocks
+        states = model_state_bytes(params, fdp, zero, precision, optimizer, accounting=accounting)
+        blocks = buffer_bytes(m, Layout(choice_tp, 1, fdp, zero, 1, 1), gather_bytes(precision), act)
+    else:
+        states = model_state_bytes(params, layout.dp, layout.zero_stage, precision, optimizer, accounting=accounting)
+        blocks = 0.0
     activations = stage_activation_bytes(m, lay, 0, act)
     gathered = layout.micro_batch_size * (m.seq + 1) * m.hidden * act if bdp > 1 else 0.0
 
@@ -112,9 +140,19 @@ def tower_cost(tower: Tower, choice: BranchChoice, layout: Layout, cluster: Clus
     n_allreduce = 4 + (2 if layout.recompute == "full" else 0)
     tp_comm = m.layers * n_allreduce * _ring(tokens * m.hidden * act, choice_tp, *intra)
     gather = _ring(gathered, bdp, *intra, 1)
+    mb = layout.micro_batches
+    if zero:
+        link = intra if layout.tp * layout.dp <= cluster.devices_per_node else _links(cluster)[1]
+        sent = params * 4  # fp32 gradients, reduce-scattered once per step
+        reduce = _ring(sent, fdp, *link, 1)
+        grad_sum = max(0.0, reduce - compute * 2 / 3)  # beyond the last micro-batch's backward of the tower
+        gathers = (2 if zero == 3 else 1) * _ring(params * gather_bytes(precision), fdp, *link, 1)
+        param_gather = mb * max(0.0, gathers - compute)
+        return BranchCost(tower.glob, choice_tp, bdp, samples, params, states["parameters"], states["gradients"],
+                          states["optimizer"], activations, gathered, mb * compute, mb * tp_comm, mb * gather,
+                          grad_sum, sent if fdp > 1 else 0.0, zero, fdp, param_gather, blocks)
     sent, factor = grad_sum_payload(params, choice.compression)
     grad_sum = _ring(sent * (bdp if factor == 1 else 1), bdp, *intra, factor) if bdp > 1 else 0.0
-    mb = layout.micro_batches
     return BranchCost(tower.glob, choice_tp, bdp, samples, params, states["parameters"], states["gradients"],
                       states["optimizer"], activations, gathered, mb * compute, mb * tp_comm, mb * gather, grad_sum,
                       sent if bdp > 1 else 0.0)
@@ -132,7 +170,8 @@ def branch_costs(model: BranchedModel, cluster: ClusterSpec, layout: Layout, pre
 
 def branched_memory(model: BranchedModel, layout: Layout, costs: list[BranchCost], precision: str = "bf16-mixed",
                     optimizer: str = "adamw", accounting: str = "lightning-npu") -> StageMemory:
-    """A rank's bytes: every tower's share, the trunk's states, the dp buckets and the gathered outputs."""
+    """A rank's bytes: every tower's share, the trunk's states, the dp buckets, the gathered outputs and the ZeRO-2/3
+    towers' gathered blocks."""
     trunk = model_state_bytes(model.trunk_params, layout.dp, layout.zero_stage, precision, optimizer,
                               accounting=accounting)
     _, _, _, act = PRECISION_BYTES[precision]
@@ -140,19 +179,21 @@ def branched_memory(model: BranchedModel, layout: Layout, costs: list[BranchCost
     return StageMemory(0, sum(c.parameters for c in costs) + trunk["parameters"],
                        sum(c.gradients for c in costs) + trunk["gradients"],
                        sum(c.optimizer for c in costs) + trunk["optimizer"],
-                       sum(c.activations for c in costs), buckets + sum(c.gathered_output for c in costs))
+                       sum(c.activations for c in costs),
+                       buckets + sum(c.gathered_output + c.fsdp_buffers for c in costs))
 
 
 def branched_step_time(model: BranchedModel, cluster: ClusterSpec, layout: Layout, costs: list[BranchCost],
                        precision: str = "bf16-mixed") -> StepTime:
     """The towers' compute, tp traffic, output gathers and branch-dp sums, plus the top-level dp reduction of every
-    parameter on the rank (fp32; ZeRO-1 adds the weights' all-gather), exposed beyond the last backward."""
+    parameter on the rank but the ZeRO-2/3 towers' (fp32; ZeRO-1 adds the weights' all-gather), exposed beyond the last
+    backward; a ZeRO-2/3 tower's reduce-scatter and parameter gathers are its `grad_sum_s` and `param_gather_s`."""
     intra, inter = _links(cluster)
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[precision]
     compute = sum(c.compute_s for c in costs)
     tp_comm = sum(c.tp_comm_s for c in costs)
-    branch = sum(c.gather_s + c.grad_sum_s for c in costs)
-    params = sum(c.params for c in costs) + model.trunk_params
+    branch = sum(c.gather_s + c.grad_sum_s + c.param_gather_s for c in costs)
+    params = sum(c.params for c in costs if not c.zero_stage) + model.trunk_params  # ZeRO-2/3 towers: their own
     dp_link = intra if layout.tp * layout.dp <= cluster.devices_per_node else inter
     reduce = _ring(params * max(g_bytes, 4), layout.dp, *dp_link, 2 if layout.zero_stage == 0 else 1)
     gather = _ring(params * w_bytes, layout.dp, *dp_link, 1) if layout.zero_stage >= 1 else 0.0

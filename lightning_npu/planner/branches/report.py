@@ -23,7 +23,7 @@ def describe_model(model: Any, human_count: Any) -> str:
 def table(result: Any, top: int, unit: str, scale: float) -> str:
     shown = result.ranked[:top]
     towers = [_short(t.glob) for t in result.model.towers]
-    head = ["#", "tp", *(f"{t} tp" for t in towers), "dp", "zero", "M x b",
+    head = ["#", "tp", *(f"{t} tp" for t in towers), "dp", "zero", *(f"{t} zero" for t in towers), "M x b",
             *(f"{k} {unit}" for k in ("weights", "grads", "optim", "activ", "buffers", "total")),
             "step s", "samples/s", "MFU", "HFU"]
     rows = []
@@ -31,6 +31,7 @@ def table(result: Any, top: int, unit: str, scale: float) -> str:
     for i, e in enumerate(shown, 1):
         lay, gb = e.layout, {k: v * scale for k, v in e.memory.as_gb().items()}
         rows.append([str(i), str(lay.tp), *(str(b.tp) for b in lay.branches), str(lay.dp), str(lay.zero_stage),
+                     *(str(b.zero_stage) for b in lay.branches),
                      f"{lay.micro_batches}x{lay.micro_batch_size}",
                      *(f"{gb[k]:.2f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers",
                                                 "total")),
@@ -41,14 +42,18 @@ def table(result: Any, top: int, unit: str, scale: float) -> str:
 
 
 def breakdown(best: Any) -> str:
-    """One line per tower of the best layout: its tp x branch dp, bytes per rank and seconds per step."""
+    """One line per tower of the best layout: its tp x branch dp (and its own ZeRO stage over fdp), bytes per rank and
+    seconds per step."""
     lines = ["per tower (best layout; per rank, per optimizer step):"]
     for c in best.branches:
+        sync = (f"reduce-scatter over fdp {c.grad_sum_s:.3g} s ({c.grad_sum_bytes:,.0f} bytes), parameter gathers "
+                f"{c.param_gather_s:.3g} s (exposed)" if c.zero_stage else
+                f"branch-dp gradient sum {c.grad_sum_s:.3g} s ({c.grad_sum_bytes:,.0f} bytes sent)")
         lines.append(
-            f"  {_short(c.glob)}: tp {c.tp} x branch dp {c.bdp} ({c.samples_per_micro_batch:g} samples per "
-            "micro-batch); "
+            f"  {_short(c.glob)}: tp {c.tp} x branch dp {c.bdp}"
+            + (f", zero {c.zero_stage} over fdp {c.fdp}" if c.zero_stage else "")
+            + f" ({c.samples_per_micro_batch:g} samples per micro-batch); "
             f"{c.params:,.0f} parameters, {(c.parameters + c.gradients + c.optimizer) / GB * 1e3:.4g} MB states, "
             f"{c.activations / GB * 1e3:.4g} MB activations; compute {c.compute_s:.4g} s, tp {c.tp_comm_s:.3g} s, "
-            f"output gather {c.gather_s:.3g} s, branch-dp gradient sum {c.grad_sum_s:.3g} s "
-            f"({c.grad_sum_bytes:,.0f} bytes sent)")
+            f"output gather {c.gather_s:.3g} s, {sync}")
     return "\n".join(lines)
