@@ -68,6 +68,22 @@ def test_the_example_clip_config_is_read_with_its_layout_and_compression():
     assert model.num_params() == 165_121  # examples.clip.model.CLIPModule(), counted by transformers
 
 
+@pytest.mark.parametrize("top, branch_layouts, zeros", [
+    (1, {VISION: {"tensor_parallel_size": 2}, TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}, (0, 3)),
+    (3, {VISION: {"tensor_parallel_size": 2}, TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}, (3, 2)),
+    (0, {TEXT: {"tensor_parallel_size": 1}}, (0, 0)),
+])
+def test_calibrate_reads_each_towers_zero_stage_from_the_run(top, branch_layouts, zeros):
+    """A run's branch ZeRO 2/3 is costed as such (a tower without its own stage under a top-level 2/3 takes it)."""
+    from lightning_npu.planner.calibrate import layout_from_config
+
+    model = model_from_config(ROOT / "examples/clip/config.yaml")
+    strategy = {"init_args": {"tensor_parallel_size": 2, "zero_stage": top, "branch_layouts": branch_layouts}}
+    layout, _, _ = layout_from_config({"trainer": {"devices": 4, "strategy": strategy}}, model)
+    assert tuple(b.zero_stage for b in layout.branches) == zeros
+    assert tuple(b.glob for b in layout.branches) == (VISION, TEXT)
+
+
 # ---- each tower's bytes and seconds, by hand ------------------------------------------------------------------------
 @pytest.mark.parametrize("compression, sent", [(None, 87_040), ("onebit", 3_060)])
 def test_branch_costs_equal_hand_computed_values(compression, sent):

@@ -88,20 +88,26 @@ def layout_from_config(config: dict[str, Any], model: Any) -> tuple[Layout, str,
     per_dp = model.global_batch // dp
     m = int(args.get("micro_batches") or pp) if pp > 1 else int(trainer.get("accumulate_grad_batches", 1) or 1)
     recompute = args.get("activation_checkpointing")
-    layout = Layout(tp, pp, dp, int(args.get("zero_stage", 1 if dp > 1 else 0)), m, max(1, per_dp // m),
+    zero = int(args.get("zero_stage", 1 if dp > 1 else 0))
+    layout = Layout(tp, pp, dp, zero, m, max(1, per_dp // m),
                     recompute if recompute in ("full", "selective") else None, bool(args.get("sequence_parallel")),
-                    args.get("pipeline_schedule") or "1f1b", branches=_branches(model, args, tp))
+                    args.get("pipeline_schedule") or "1f1b", branches=_branches(model, args, tp, zero))
     return layout, str(trainer.get("precision", "32-true")), world
 
 
-def _branches(model: Any, args: dict[str, Any], tp: int) -> tuple[BranchChoice, ...]:
+def _branches(model: Any, args: dict[str, Any], tp: int, zero: int) -> tuple[BranchChoice, ...]:
     """Every tower's `BranchChoice` from the run's ``branch_layouts`` (a tower it leaves out runs at the top-level
-    tp); none for a single-tower model."""
+    tp; one without its own zero_stage under a top-level ZeRO 2/3 takes that stage, as the strategy does); none for
+    a single-tower model."""
     if not isinstance(model, BranchedModel):
         return ()
     given = args.get("branch_layouts") or {}
-    return tuple(BranchChoice(t.glob, int((given.get(t.glob) or {}).get("tensor_parallel_size", tp)), t.compression)
-                 for t in model.towers)
+    out = []
+    for t in model.towers:
+        entry = given.get(t.glob) or {}
+        out.append(BranchChoice(t.glob, int(entry.get("tensor_parallel_size", tp)), t.compression,
+                                int(entry.get("zero_stage", zero if zero in (2, 3) else 0))))
+    return tuple(out)
 
 
 def estimate(model: Any, cluster: ClusterSpec, layout: Layout, precision: str,
