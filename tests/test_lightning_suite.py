@@ -37,13 +37,16 @@ FIXED = {
     "trainer/connectors/test_data_connector.py::test_eval_distributed_sampler_warning[zero1-2-warns]":
         "the sampler's split (distributed_sampler_kwargs) is known outside fit, from the layout",
     "trainer/test_dataloaders.py::test_warning_on_zero_len_dataloader[zero3]": "the same, Lightning's warning kept",
+    "checkpointing/test_model_checkpoint.py::test_load_with_inf_data_loader[zero3file]":
+        "a stateless optimizer's (plain SGD) single-file state loads under ZeRO-3 (torch's full-state loader needs a "
+        "state tensor to find the device)",
 }
 
 
 def test_lightning_suite_fixed_cases() -> None:
     # without the launcher variables an earlier in-process Trainer left (its MASTER_PORT may still be bound)
-    env = {**clean_env(), "LIGHTNING_NPU_SUITE": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**clean_env(), "LIGHTNING_NPU_SUITE": "1", "LIGHTNING_NPU_SUITE_STAGES": "1,3,3file", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *(SUITE + t for t in FIXED)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

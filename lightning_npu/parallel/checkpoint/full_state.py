@@ -37,7 +37,12 @@ from lightning_npu.parallel.checkpoint.optim_state import (
 )
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.distributed import DistributedOptimizer
-from lightning_npu.parallel.optim.mixed_precision import masters_as_parameters, stepped_groups, unwrap_optimizer
+from lightning_npu.parallel.optim.mixed_precision import (
+    masters_as_parameters,
+    stepped_groups,
+    stepped_optimizer,
+    unwrap_optimizer,
+)
 from lightning_npu.parallel.state import module_state
 from lightning_npu.parallel.tensor_parallel.shards import Sharding, as_dtensor, fused_layout, sharding_of
 from lightning_npu.parallel.tensor_parallel.styles import _part_major, _rank_major
@@ -296,9 +301,25 @@ def load_full_optimizer_state_dict(module: nn.Module, optimizer: Any, state_dict
                              "differs); resume with the same `configure_optimizers`.")
         flat, groups = by_name(state_dict, fqns)
         flat = refuse_fused(flat, fused_layout(module), STATE_PREFIX)
+        if not any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in flat.values()):
+            _load_without_tensors(optimizer, nested(flat), groups, fqn_of)
+            return
         with initialised_state(optimizer):
             set_optimizer_state_dict(module, optimizer, {"state": nested(flat), "param_groups": groups},
                                      options=StateDictOptions(full_state_dict=True))
+
+
+def _load_without_tensors(optimizer: Any, state: dict[str, dict[str, Any]], groups: list[dict[str, Any]],
+                          fqn_of: dict[int, str]) -> None:
+    """A state with nothing to shard (SGD without momentum: no state, or scalars): the groups' hyper-parameters and
+    the entries as they are. torch's full-state loader looks for a tensor to learn the device from, and raises
+    without one."""
+    inner = stepped_optimizer(optimizer)
+    for group, saved in zip(inner.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    by_fqn = {fqn_of[id(p)]: p for group in inner.param_groups for p in group["params"]}
+    for fqn, entry in state.items():
+        inner.state[by_fqn[fqn]].update(entry)
 
 
 def select_optimizer_state(module: nn.Module, optimizer: Any, state_dict: dict[str, Any],

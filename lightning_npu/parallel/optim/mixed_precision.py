@@ -43,12 +43,16 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def stepped_groups(optimizer: Any) -> list[dict[str, Any]]:
-    """The param groups of what an optimizer's step updates: a strategy wrapper's are its user optimizer's (fp32
-    masters; ZeRO-1's slices, whose wrapper shows the model's parameters in its own `param_groups`)."""
+def stepped_optimizer(optimizer: Any) -> Any:
+    """What an optimizer's step updates through: a strategy wrapper's user optimizer (over the fp32 masters; ZeRO-1's
+    slices, whose wrapper shows the model's parameters in its own `param_groups`), else the optimizer itself."""
     optimizer = unwrap_optimizer(optimizer)
-    return vars(optimizer).get("optimizer", optimizer).param_groups if isinstance(
-        optimizer, MixedPrecisionOptimizer) else optimizer.param_groups
+    return vars(optimizer).get("optimizer", optimizer) if isinstance(optimizer, MixedPrecisionOptimizer) else optimizer
+
+
+def stepped_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """The param groups of what an optimizer's step updates (`stepped_optimizer`)."""
+    return stepped_optimizer(optimizer).param_groups
 
 
 def stepped_params(optimizer: Any) -> list[Tensor]:
