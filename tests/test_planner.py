@@ -615,3 +615,11 @@ def test_calibration_predicts_a_held_out_run(tmp_path):
     wrong = estimate(held.model, fitted.cluster(base), dataclasses.replace(held.layout, micro_batch_size=8),
                      held.precision)[0].step_s
     assert abs(wrong / held.measured_step_s - 1) > 0.25, wrong / held.measured_step_s
+
+
+def test_the_example_gpt_refuses_an_unknown_throughput_clock():
+    from examples.gpt.model import GPTModule
+
+    with pytest.raises(ValueError, match="throughput_clock='cpu'.*choose one of 'wall'"):
+        GPTModule(throughput_clock="cpu")
+    assert GPTModule(n_layer=1, n_embd=32, throughput_clock="process").hparams.throughput_clock == "process"

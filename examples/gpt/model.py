@@ -152,7 +152,8 @@ class GPT(nn.Module):
 
 
 class GPTModule(L.LightningModule):
-    """Next-token pretraining of `GPT`; logs train/val loss and tokens per second."""
+    """Next-token pretraining of `GPT`; logs train/val loss and tokens per second (`throughput_clock="process"`:
+    per second of this process's CPU time, steadier than wall time on a CPU other jobs share)."""
 
     def __init__(
         self,
@@ -173,8 +174,8 @@ class GPTModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if throughput_clock not in ("wall", "process"):
-            raise ValueError(f"`throughput_clock={throughput_clock!r}`: pass 'wall' (elapsed time) or 'process' (this "
-                             "process's CPU time, which other jobs on a shared CPU do not inflate).")
+            raise ValueError(f"`throughput_clock={throughput_clock!r}`: choose one of 'wall' (elapsed time) or "
+                             "'process' (this process's CPU time, which other jobs on a shared CPU do not inflate).")
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, attention))
         self._step_started: float | None = None
