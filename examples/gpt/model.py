@@ -152,7 +152,8 @@ class GPT(nn.Module):
 
 
 class GPTModule(L.LightningModule):
-    """Next-token pretraining of `GPT`; logs train/val loss and tokens per second."""
+    """Next-token pretraining of `GPT`; logs train/val loss and tokens per second (`throughput_clock="process"`:
+    per second of this process's CPU time, steadier than wall time on a CPU other jobs share)."""
 
     def __init__(
         self,
@@ -169,8 +170,12 @@ class GPTModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         warmup_steps: int = 0,
+        throughput_clock: str = "wall",
     ) -> None:
         super().__init__()
+        if throughput_clock not in ("wall", "process"):
+            raise ValueError(f"`throughput_clock={throughput_clock!r}`: choose one of 'wall' (elapsed time) or "
+                             "'process' (this process's CPU time, which other jobs on a shared CPU do not inflate).")
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, attention))
         self._step_started: float | None = None
@@ -192,13 +197,17 @@ class GPTModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def _clock(self) -> float:
+        # "process": CPU time, for timing CPU runs on a machine other jobs share (`plan --calibrate` reads the result)
+        return time.process_time() if self.hparams.throughput_clock == "process" else time.perf_counter()
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._step_started = time.perf_counter()
+        self._step_started = self._clock()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self._step_started is None:
             return
-        elapsed = time.perf_counter() - self._step_started
+        elapsed = self._clock() - self._step_started
         # global tokens: only dp ranks see disjoint data (tp/pp peers share a batch)
         dp = self.device_mesh["dp"].size() if self._device_mesh is not None else self.trainer.world_size
         world_tokens = batch[0].numel() * dp
