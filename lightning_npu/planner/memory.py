@@ -155,7 +155,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, rec
         k, fe = model.experts_per_token, model.n_expert_ffn
         inner, kept = k * (4 if gated else 2) * fe / t + 2 * k * h, k * (2 if gated else 1) * fe / t + 2 * k * h
     if recompute in ("selective", ALTERNATE):  # block input, matmul/attention outputs; norms and activations replayed
-        dropped = (model.kv_dim / t + h / split + (f / t if gated else h / split)) if recompute == ALTERNATE else 0
+        width = model.experts_per_token * model.n_expert_ffn if model.experts else f  # the gate a token uses
+        dropped = (model.kv_dim / t + h / split + (width / t if gated else h / split)) if recompute == ALTERNATE else 0
         return act_bytes * (h / split + qkv_out + 2 * h / split + kept + scores - dropped)
     elements = 4 * h / split + qkv_out + inner + scores
     stats = 2 * (2 if model.norm == "layernorm" else 1) * 4 / split
