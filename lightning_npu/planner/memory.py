@@ -26,7 +26,9 @@ sequence parallelism) less their dropout terms. Full recomputation keeps only ea
 block's activations while it is recomputed. Selective recomputation is op-level (torch's selective activation
 checkpointing, as torchtitan's op-level SAC and `lightning_npu.parallel.recompute` do): matmul and attention
 outputs are kept (q/k/v, the attention output, both output projections, the MLP's up/gate projections; the scores
-under eager attention), norms and activation functions are replayed. The last stage adds the final norm and the
+under eager attention), norms and activation functions are replayed. torchtitan's op-level policy
+(``"selective_alternate"``) also drops every second matmul output (k, the attention's output projection, and the
+gate, or GELU's down projection) and replays them. The last stage adds the final norm and the
 fp32 log-probabilities of the loss (4 V / t bytes per token). A pipeline stage i keeps min(P - i, M)
 micro-batches in flight under 1F1B and M under GPipe (interleaved 1F1B: see `in_flight_micro_batches`).
 """
@@ -38,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_npu.planner.spec import Layout, ModelSpec
+from lightning_npu.planner.spec import ALTERNATE, Layout, ModelSpec
 
 # precision -> (weight, gradient, fp32 master, activation) bytes per element
 PRECISION_BYTES = {
@@ -152,8 +154,10 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, act_bytes: int, rec
     if model.experts:  # each token's k experts keep theirs, plus the dispatched and combined copies
         k, fe = model.experts_per_token, model.n_expert_ffn
         inner, kept = k * (4 if gated else 2) * fe / t + 2 * k * h, k * (2 if gated else 1) * fe / t + 2 * k * h
-    if recompute == "selective":  # block input, matmul/attention outputs; norms and activations replayed
-        return act_bytes * (h / split + qkv_out + 2 * h / split + kept + scores)
+    if recompute in ("selective", ALTERNATE):  # block input, matmul/attention outputs; norms and activations replayed
+        width = model.experts_per_token * model.n_expert_ffn if model.experts else f  # the gate a token uses
+        dropped = (model.kv_dim / t + h / split + (width / t if gated else h / split)) if recompute == ALTERNATE else 0
+        return act_bytes * (h / split + qkv_out + 2 * h / split + kept + scores - dropped)
     elements = 4 * h / split + qkv_out + inner + scores
     stats = 2 * (2 if model.norm == "layernorm" else 1) * 4 / split
     return act_bytes * elements + stats

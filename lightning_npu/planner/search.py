@@ -13,6 +13,7 @@ from lightning_npu.planner.read import model_from_config
 from lightning_npu.planner.result import Estimate, Plan
 from lightning_npu.planner.spec import (
     ACCOUNTINGS,
+    ALTERNATE,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE,
@@ -134,6 +135,11 @@ def plan(
     check_choice("schedule", schedule, SCHEDULES, error=PlannerError)
     check_choice("accounting", accounting, ACCOUNTINGS, error=PlannerError)
     for r in recompute:
+        if r == ALTERNATE:
+            raise PlannerError(
+                f"`recompute={recompute!r}`: {ALTERNATE!r} (torchtitan's op-level policy) is costed by step_time and "
+                f"memory_by_stage to check other frameworks' runs, but not searched: the strategy's "
+                f"activation_checkpointing does not run it; choose from {list(RECOMPUTE)}.")
         check_choice("recompute", r, RECOMPUTE, error=PlannerError)
     for z in zero_stages:
         check_choice("zero_stage", z, (0, 1, 2, 3), error=PlannerError)

@@ -17,7 +17,10 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 ATTENTIONS = ("eager", "flash")
 MLPS = ("gelu", "swiglu")
-RECOMPUTE = (None, "selective", "full")
+RECOMPUTE = (None, "selective", "full")  # what the search proposes (the strategy's activation_checkpointing)
+# costed by step_time and memory_by_stage but never proposed, since the strategy does not run it: torchtitan's op-level
+# selective checkpointing, which also replays every second matmul of a block (to check its published runs)
+ALTERNATE = "selective_alternate"
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 VIRTUAL_STAGES = 2  # stages per rank under interleaved_1f1b (the strategy's default pipeline_layout)
 # how the optimizer and its gradients are held (memory.model_state_bytes): ours, DeepSpeed's (the ZeRO paper's)

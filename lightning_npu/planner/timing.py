@@ -6,7 +6,8 @@ Compute is 6 FLOPs per parameter per token for the matrix products plus 12 l h s
 (forward and backward), 2 and 4 more with full recomputation (one more forward), at
 ``gemm_efficiency`` x peak: with full recomputation this is exactly Narayanan et al.'s
 96 B s l h^2 (1 + s / 6h + V / 16 l h) per step. Selective (op-level) recomputation replays no matmul: its cost is
-the element-wise ops it replays (norms, activation functions), bound by the device's memory bandwidth. The
+the element-wise ops it replays (norms, activation functions), bound by the device's memory bandwidth;
+torchtitan's op-level policy (``"selective_alternate"``, costed, never proposed) also replays every second matmul. The
 pipeline runs M + P - 1 slots of one micro-batch's forward and backward, so the bubble is (P - 1) / (M + P - 1) of
 the step ((P - 1) / (v M + P - 1) with v interleaved stages per rank, at v times the p2p messages). Tensor-parallel
 all-reduces (2 in the forward, 2 in the backward of each block, 2 more when recomputing) are not overlapped; tp
@@ -32,7 +33,7 @@ from lightning_npu.planner.memory import (
     stage_layers,
     stage_params,
 )
-from lightning_npu.planner.spec import ClusterSpec, Layout, ModelSpec
+from lightning_npu.planner.spec import ALTERNATE, ClusterSpec, Layout, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,21 @@ class StepTime:
         return self.tflops_per_device(devices) / peak_tflops
 
 
+def alternate_replayed_params(model: ModelSpec) -> int:
+    """Weights of the matmuls torchtitan's op-level policy replays in a block: it saves every matmul output but every
+    second one in forward order (q, k, v, o, then the MLP's up, gate, down), so k, o and the gate (GELU: the down
+    projection), h (kv + h + f) in all (f: the MLP width a token uses)."""
+    width = model.experts_per_token * model.n_expert_ffn if model.experts else model.n_ffn
+    return model.hidden * (model.kv_dim + model.hidden + width)
+
+
 def flops_per_token(model: ModelSpec, recompute: str | None) -> tuple[float, float]:
     """(FLOPs of one block, FLOPs of the output layer) per token, forward + backward (+ recomputation): hardware
-    FLOPs. Selective recomputation replays no matmul, so it counts as None here."""
+    FLOPs. Selective recomputation replays no matmul (torchtitan's alternate policy: every second one)."""
     r = 1 if recompute == "full" else 0
     block = (6 + 2 * r) * model.layer_active_params() + (12 + 4 * r) * model.hidden * model.seq
+    if recompute == ALTERNATE:
+        block += 2 * alternate_replayed_params(model)
     return block, (6 * model.vocab * model.hidden if model.lm_head else 0)
 
 
@@ -139,13 +150,15 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, precision:
     layers = stage_layers(model, layout.pp)
     per_stage = [n * block + (head if i == layout.pp - 1 else 0) for i, n in enumerate(layers)]
     mb_compute = max(per_stage) * tokens_mb / layout.tp / rate  # one micro-batch on the slowest stage
-    if layout.recompute == "selective":
+    if layout.recompute in ("selective", ALTERNATE):
         mb_compute += max(layers) * _replay_s(model, layout, act, tokens_mb, cluster)
 
     # tensor parallel: all-reduces of b s h activations per block (reduce-scatter + all-gather with sp: same bytes)
     in_node = layout.tp <= cluster.devices_per_node and cluster.devices_per_node % layout.tp == 0
     tp_link = intra if in_node or cluster.devices <= cluster.devices_per_node else inter
-    n_allreduce = 4 + (2 if layout.recompute == "full" else 0)
+    # replayed: both row-parallel outputs under full recomputation; the attention output's (and GELU's down
+    # projection's) under the alternate policy
+    n_allreduce = 4 + {"full": 2, ALTERNATE: 1 if model.mlp == "swiglu" else 2}.get(layout.recompute, 0)
     mb_tp = max(layers) * n_allreduce * _ring(tokens_mb * model.hidden * act, layout.tp, *tp_link)
     mb_tp += max(layers) * _expert_all_to_all_s(model, cluster, layout, tokens_mb * act)
     mb_tp += max(layers) * _context_parallel_s(model, cluster, layout, tokens_mb * act)
