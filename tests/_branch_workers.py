@@ -70,7 +70,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
             "text_state": state_held(trainer, TEXT),
-            "compressed_bytes": sent.compressed,
+            "compressed_bytes": sent.compressed, "variance": {n: variance(trainer, n) for n in (TEXT, VISION)},
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
 
@@ -99,6 +99,22 @@ def state_held(trainer: L.Trainer, prefix: str) -> Optional[float]:
     held = [v for k, v in opt.sharded_state_dict().items()
             if k.startswith(f"state.{prefix}.") and k.endswith(".exp_avg") and isinstance(v, DTensor)]
     return sum(v.to_local().numel() for v in held) / max(1, sum(v.numel() for v in held))
+
+
+def variance(trainer: L.Trainer, prefix: str) -> Optional[float]:
+    """The sum of this rank's Adam ``exp_avg_sq`` over the parameters under `prefix` (a fingerprint: 1-bit Adam
+    freezes a compressed branch's after its warm-up); None where the optimizer keeps other keys (ZeRO-1)."""
+    from lightning_npu.parallel.optim.grad_norm import local_tensor
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+
+    if not trainer.strategy.optimizers:
+        return None
+    opt = unwrap_optimizer(trainer.strategy.optimizers[0])
+    inner = getattr(opt, "optimizer", opt)
+    names = {id(p): n for n, p in trainer.lightning_module.named_parameters()}
+    held = [s["exp_avg_sq"] for p, s in inner.state.items()
+            if names.get(id(p), "").startswith(prefix + ".") and "exp_avg_sq" in s]
+    return float(sum(float(local_tensor(v).double().sum()) for v in held)) if held else None
 
 
 def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:
