@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch.utils.data import DataLoader
 
 import lightning_npu
@@ -32,6 +33,25 @@ class BranchCase:
     samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
     accumulate: int = 1  # accumulate_grad_batches (batches per optimizer step)
     precision: Optional[str] = None  # the Trainer's (None: its default, fp32)
+    finetune: bool = False  # Lightning's BaseFinetuning: the text tower frozen for the first epoch, then added
+
+
+class FreezeTextFirstEpoch(BaseFinetuning):
+    """The recipe of Lightning's docs: the text tower frozen before training, unfrozen at epoch 1 and given to the
+    optimizer as a new param group (`unfreeze_and_add_param_group` -> `optimizer.add_param_group`), at lr / 10."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.model.text_model)
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.text_model, optimizer)
+
+
+class FinetuneModule(ZooModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # what BaseFinetuning expects: the trainable ones
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, eps=1e-5,
+                                 weight_decay=0.01)
 
 
 class BranchBytes(L.Callback):
@@ -49,14 +69,15 @@ class BranchBytes(L.Callback):
 def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     world = _world()
     L.seed_everything(0, verbose=False)
-    model = ZooModule("clip")
+    model = (FinetuneModule if case.finetune else ZooModule)("clip")
     strategy = NPUHybridStrategy(**case.strategy)
     cfg = strategy.parallel_config
     dp = world // (cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
     losses, sent = Losses(), BranchBytes()
+    extra = [FreezeTextFirstEpoch()] if case.finetune else []
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent, *extra],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
         accumulate_grad_batches=case.accumulate, **({"precision": case.precision} if case.precision else {}),
     )
