@@ -9,7 +9,9 @@ variance and compresses each rank's *momentum*: the update is linear in what is 
 `compression.Compressor.sum` asks `momentum` for the momentum of a bucket's parameters and sends
 ``b1 m + (1 - b1) g`` compressed; `step` then runs torch's Adam/AdamW update with those parameters' variance
 kept frozen. Only plain ``torch.optim.Adam``/``AdamW`` at zero_stage 0 (whole parameters, unsharded state) can
-be stepped so; anything else is refused when the optimizers are bound.
+be stepped so; anything else is refused when the optimizers are bound. A branch's 1-bit Adam (`branch_layouts`)
+is the same exchange over its branch-dp group (`branch.apply.BranchGradientSync`): only its parameters' variance
+freezes, the rest of the optimizer steps as torch's Adam/AdamW.
 """
 
 from __future__ import annotations
