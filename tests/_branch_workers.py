@@ -77,7 +77,8 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     extra = [FreezeTextFirstEpoch()] if case.finetune else []
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent, *extra],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[losses, sent, *extra],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
         accumulate_grad_batches=case.accumulate, **({"precision": case.precision} if case.precision else {}),
     )

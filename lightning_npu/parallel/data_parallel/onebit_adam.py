@@ -28,7 +28,7 @@ class FrozenVarianceAdam:
     """The Adam optimizers whose momentum is compressed, and their step with the variance frozen."""
 
     def __init__(self) -> None:
-        # id(model parameter) -> (torch Adam/AdamW, the parameter it steps (itself or its fp32 master), its group's index)
+        # id(model parameter) -> (torch Adam/AdamW, what it steps (the parameter or its fp32 master), its group's index)
         self._adam: dict[int, tuple[Any, torch.Tensor, int]] = {}
         # the stepped parameters whose momentum this step sent compressed -> the dense steps their variance saw
         self._frozen_now: dict[int, int] = {}
