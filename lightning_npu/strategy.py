@@ -46,6 +46,7 @@ from lightning_npu.parallel.checkpoint.full_state import (
     load_full_state_dict,
     shard_optimizer_state,
 )
+from lightning_npu.parallel import dtensor_equal
 from lightning_npu.parallel.config import ParallelConfig
 from lightning_npu.parallel.context_parallel.runtime import ContextParallel
 from lightning_npu.parallel.data_parallel import reduction
@@ -535,6 +536,9 @@ class NPUHybridStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         self._buffer_sync = None  # fit makes it again (`_setup_model`); evaluation runs without, as under DDP
+        if not getattr(self, "_dtensor_equal", False):  # BaseFinetuning's torch.equal over branches' DTensors
+            dtensor_equal.install()
+            self._dtensor_equal = True
         if isinstance(self.precision_plugin, HybridPrecision):
             self.precision_plugin.layout_backward = self._layout_backward
         super().setup(trainer)
@@ -782,6 +786,9 @@ class NPUHybridStrategy(DDPStrategy):
                 callback.on_fit_start(trainer, self.lightning_module)
 
     def teardown(self) -> None:
+        if getattr(self, "_dtensor_equal", False):
+            dtensor_equal.uninstall()
+            self._dtensor_equal = False
         if self._ckpt_writer is not None:
             ckpt.finalize_at_teardown(self._ckpt_writer)
         super().teardown()

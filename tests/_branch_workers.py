@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch.utils.data import DataLoader
 
 import lightning_npu
@@ -32,6 +33,25 @@ class BranchCase:
     samples: int = 3 * GLOBAL_BATCH  # the dataset: epochs of samples // batch steps
     accumulate: int = 1  # accumulate_grad_batches (batches per optimizer step)
     precision: Optional[str] = None  # the Trainer's (None: its default, fp32)
+    finetune: bool = False  # Lightning's BaseFinetuning: the text tower frozen for the first epoch, then added
+
+
+class FreezeTextFirstEpoch(BaseFinetuning):
+    """The recipe of Lightning's docs: the text tower frozen before training, unfrozen at epoch 1 and given to the
+    optimizer as a new param group (`unfreeze_and_add_param_group` -> `optimizer.add_param_group`), at lr / 10."""
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.model.text_model)
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.text_model, optimizer)
+
+
+class FinetuneModule(ZooModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:  # what BaseFinetuning expects: the trainable ones
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, eps=1e-5,
+                                 weight_decay=0.01)
 
 
 class BranchBytes(L.Callback):
@@ -49,14 +69,16 @@ class BranchBytes(L.Callback):
 def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     world = _world()
     L.seed_everything(0, verbose=False)
-    model = ZooModule("clip")
+    model = (FinetuneModule if case.finetune else ZooModule)("clip")
     strategy = NPUHybridStrategy(**case.strategy)
     cfg = strategy.parallel_config
     dp = world // (cfg.tensor_parallel_size * cfg.pipeline_parallel_size)
     losses, sent = Losses(), BranchBytes()
+    extra = [FreezeTextFirstEpoch()] if case.finetune else []
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=case.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, sent],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[losses, sent, *extra],
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True, gradient_clip_val=CLIP,
         accumulate_grad_batches=case.accumulate, **({"precision": case.precision} if case.precision else {}),
     )
@@ -70,7 +92,7 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
             "text_state": state_held(trainer, TEXT),
-            "compressed_bytes": sent.compressed,
+            "compressed_bytes": sent.compressed, "variance": {n: variance(trainer, n) for n in (TEXT, VISION)},
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
 
@@ -99,6 +121,22 @@ def state_held(trainer: L.Trainer, prefix: str) -> Optional[float]:
     held = [v for k, v in opt.sharded_state_dict().items()
             if k.startswith(f"state.{prefix}.") and k.endswith(".exp_avg") and isinstance(v, DTensor)]
     return sum(v.to_local().numel() for v in held) / max(1, sum(v.numel() for v in held))
+
+
+def variance(trainer: L.Trainer, prefix: str) -> Optional[float]:
+    """The sum of this rank's Adam ``exp_avg_sq`` over the parameters under `prefix` (a fingerprint: 1-bit Adam
+    freezes a compressed branch's after its warm-up); None where the optimizer keeps other keys (ZeRO-1)."""
+    from lightning_npu.parallel.optim.grad_norm import local_tensor
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+
+    if not trainer.strategy.optimizers:
+        return None
+    opt = unwrap_optimizer(trainer.strategy.optimizers[0])
+    inner = getattr(opt, "optimizer", opt)
+    names = {id(p): n for n, p in trainer.lightning_module.named_parameters()}
+    held = [s["exp_avg_sq"] for p, s in inner.state.items()
+            if names.get(id(p), "").startswith(prefix + ".") and "exp_avg_sq" in s]
+    return float(sum(float(local_tensor(v).double().sum()) for v in held)) if held else None
 
 
 def run_cases(cases: dict[str, BranchCase], directory: str) -> dict[str, Any]:

@@ -237,6 +237,8 @@ def test_frozen_variance_refuses_other_optimizers_and_zero1():
     sgd = MixedPrecisionOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
     with pytest.raises(CompressionConfigError, match="torch.optim.Adam or AdamW.*got SGD"):
         Compressor(spec).bind_optimizers([sgd])
+    with pytest.raises(CompressionConfigError, match="got SGD"):  # a branch's spec on the top level's compressor
+        Compressor(CompressionSpec("int8"), also=[spec]).bind_optimizers([sgd])
     amsgrad = MixedPrecisionOptimizer(torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True))
     with pytest.raises(CompressionConfigError, match="amsgrad"):
         Compressor(spec).bind_optimizers([amsgrad])
@@ -303,3 +305,20 @@ def test_adam_step_is_torchs_with_the_variance_frozen(kind):
             if step == 3:  # the same parameters before this step: the same momentum (Adam's includes weight decay)
                 torch.testing.assert_close(opt.state[ours[0]]["exp_avg"], ref_opt.state[ref[0]]["exp_avg"])
     assert float(opt.state[ours[0]]["step"]) == 5 and compressor.adam._frozen_now == {}
+
+
+def test_one_bit_adam_finds_a_group_added_while_training():
+    """Lightning's `BaseFinetuning` adds groups after the optimizers are bound: their momentum is found (and a
+    resume's `load_state_dict`, which replaces the group dicts, keeps each parameter's betas)."""
+    from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer
+
+    first, later = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    wrapper = MixedPrecisionOptimizer(torch.optim.Adam([first], betas=(0.9, 0.99)))
+    compressor = Compressor(CompressionSpec("onebit", warmup_steps=1, frozen_variance=True))
+    compressor.bind_optimizers([wrapper])
+    wrapper.add_param_group({"params": [later], "betas": (0.5, 0.99)})
+    wrapper.optimizer.state[later].update(step=torch.tensor(1.0), exp_avg=torch.full((2,), 2.0),
+                                          exp_avg_sq=torch.ones(2))
+    wrapper.optimizer.load_state_dict(wrapper.optimizer.state_dict())
+    m, beta1 = compressor.adam.momentum(torch.zeros(5), 1, [first, later], 1)
+    assert m.tolist() == [0, 0, 0, 2, 2] and beta1.tolist() == pytest.approx([0.9] * 3 + [0.5] * 2)

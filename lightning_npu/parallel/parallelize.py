@@ -184,6 +184,8 @@ def apply_branch_sync(model: nn.Module, sync: gs.GradientSync, cfg: ParallelConf
         # its state (residuals) belongs to the bdp group (checkpoints), or to fdp under a branch's ZeRO 2/3
         compressor.world = groups[0][0].bdp if groups else next(  # (the last group it sums over in a step)
             s.mesh["outer"].size() * s.bdp for _, _, s in branch.applied_branches(model) if s.layout.compression)
+    if specs:  # a branch's frozen_variance binds the optimizers (1-bit Adam), whichever compressor sums it
+        (compressor or sync.compressor).also = specs
     branch.compress_fully_sharded(model, compressor or sync.compressor)
     return branch.BranchGradientSync(sync, groups, compressor, from_hooks=cfg.uses_distributed_optimizer,
                                      fsdp_units=[] if cfg.zero_stage in (2, 3) else fsdp)

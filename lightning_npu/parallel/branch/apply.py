@@ -128,7 +128,7 @@ def branch_parameters(model: nn.Module) -> list[tuple[BranchShard, list[tuple[st
     out = []
     for name, module, shard in applied_branches(model):
         if shard.bdp > 1:
-            named = [(f"{name}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]
+            named = list(module.named_parameters(prefix=name))  # frozen ones too: `BaseFinetuning` unfreezes later
             if fully_sharded(shard.layout):
                 named = [(n, p) for n, p in named if p.dim() == 0]
             if named:
@@ -330,8 +330,11 @@ class BranchGradientSync(GradientSync):
         if from_hooks:
             for shard, named in branches:
                 for name, p in named:
+                    frozen = not p.requires_grad  # hooked now all the same: before ZeRO-1's, once unfrozen
+                    p.requires_grad_(True)
                     p.register_post_accumulate_grad_hook(
                         lambda p, s=shard, n=name: self._reduce(s, [p], f"branch:{n}") if self.enabled else None)
+                    p.requires_grad_(not frozen)
 
     @property
     def compressor(self) -> Any:  # type: ignore[override]
@@ -362,7 +365,7 @@ class BranchGradientSync(GradientSync):
         self.inner.finish()
         if not self.from_hooks:
             for shard, named in self.branches:
-                self._reduce(shard, [p for _, p in named], f"branch:{shard.name}")
+                self._reduce(shard, [p for _, p in named if p.requires_grad], f"branch:{shard.name}")
 
     @torch.no_grad()
     def _reduce(self, shard: BranchShard, params: list[nn.Parameter], key: str) -> None:

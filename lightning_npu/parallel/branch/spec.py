@@ -4,7 +4,8 @@ A branch is a submodule (``model.text_model``) that factorizes each top-level tp
 (branch dp x branch tp): its ranks read the same batch, so a branch at a smaller tp splits that batch over its
 branch-dp ranks instead of sharding weights as finely. A branch's ``zero_stage`` 2/3 shards it with FSDP2 over all
 its dp ranks (the top-level dp x its branch dp), under any top-level zero_stage (ZeRO-1's optimizer leaves FSDP2's
-shards to it). What is not built yet is refused here, naming the argument.
+shards to it). A branch's 1-bit Adam (``frozen_variance``) needs whole momenta: ZeRO 0 there and at the top level.
+What is not built yet is refused here, naming the argument.
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> li
         if isinstance(spec, dict):
             raise ParallelConfigError(f"{where}['gradient_compression']={raw!r}: one mode or options dict for the "
                                       "whole branch (module globs are the top-level gradient_compression's).")
-        if spec is not None and spec.frozen_variance:
-            raise ParallelConfigError(f"{where}['gradient_compression']: frozen_variance=True (1-bit Adam) on a branch "
-                                      "is not built yet; use frozen_variance=False (onebit with error feedback).")
+        if spec is not None and spec.frozen_variance and zero != 0:  # FSDP2 / ZeRO-1 shard the momentum it sends
+            raise ParallelConfigError(
+                f"{where}['gradient_compression']: frozen_variance=True (1-bit Adam) with the branch's zero_stage="
+                f"{zero} is not built: it compresses each rank's whole Adam momentum, which a sharded optimizer "
+                "splits; set the branch's 'zero_stage': 0 (or frozen_variance=False).")
         out.append(BranchLayout(glob, tp, raw, zero, spec))
     return out
 
@@ -102,6 +105,11 @@ def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
                 f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level "
                 "ZeRO 2/3 a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
     for b in branches:
+        if b.compression is not None and b.compression.frozen_variance and cfg.zero_stage != 0:
+            raise ParallelConfigError(  # the branch's momentum would be the top-level ZeRO-1's dp slices
+                f"`branch_layouts[{b.glob!r}]['gradient_compression']` frozen_variance=True (1-bit Adam) with the "
+                f"top-level `zero_stage={cfg.zero_stage}`: it compresses each rank's whole Adam momentum, which "
+                "ZeRO shards; use zero_stage=0, or frozen_variance=False.")
         if cfg.tensor_parallel_size % b.tensor_parallel_size:
             raise ParallelConfigError(
                 f"`branch_layouts[{b.glob!r}]['tensor_parallel_size']={b.tensor_parallel_size}` does not divide "

@@ -89,6 +89,9 @@ class Compressor:
     _specs: dict[int, Optional[CompressionSpec]] = field(default_factory=dict)
     _globs: dict[int, str] = field(default_factory=dict)  # id(parameter) -> "g<i>": the i-th glob compresses it
     adam: FrozenVarianceAdam = field(default_factory=FrozenVarianceAdam)  # frozen_variance's optimizer side
+    # the specs callers pass to `sum` besides `spec` (the branches' `gradient_compression` on a shared compressor):
+    # `bind_optimizers` reads them too, so a branch's 1-bit Adam binds its optimizers
+    also: list[CompressionSpec] = field(default_factory=list)
     sent_bytes: int = 0  # payload bytes this rank has put into its exchanges (what the wire carries from it)
 
     def _sent(self, *tensors: torch.Tensor) -> None:
@@ -207,7 +210,7 @@ class Compressor:
     def bind_optimizers(self, optimizers: list[Any]) -> None:
         """The strategy's `MixedPrecisionOptimizer` wrappers, once built: with ``frozen_variance`` they step Adam
         through `onebit_adam.FrozenVarianceAdam` (refused for optimizers it cannot step)."""
-        specs = list(self.spec.values()) if self.per_module else [self.spec]
+        specs = (list(self.spec.values()) if self.per_module else [self.spec]) + list(self.also)
         if any(s is not None and s.frozen_variance for s in specs):
             self.adam.bind(optimizers)
         bursty = sorted({s.mode for s in specs if s is not None and s.mode in _BURSTY_UNDER_ADAM

@@ -9,7 +9,9 @@ variance and compresses each rank's *momentum*: the update is linear in what is 
 `compression.Compressor.sum` asks `momentum` for the momentum of a bucket's parameters and sends
 ``b1 m + (1 - b1) g`` compressed; `step` then runs torch's Adam/AdamW update with those parameters' variance
 kept frozen. Only plain ``torch.optim.Adam``/``AdamW`` at zero_stage 0 (whole parameters, unsharded state) can
-be stepped so; anything else is refused when the optimizers are bound.
+be stepped so; anything else is refused when the optimizers are bound. A branch's 1-bit Adam (`branch_layouts`)
+is the same exchange over its branch-dp group (`branch.apply.BranchGradientSync`): only its parameters' variance
+freezes, the rest of the optimizer steps as torch's Adam/AdamW.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ class FrozenVarianceAdam:
     """The Adam optimizers whose momentum is compressed, and their step with the variance frozen."""
 
     def __init__(self) -> None:
-        # id(model parameter) -> (torch Adam/AdamW, the parameter it steps (the parameter or its fp32 master), its group)
-        self._adam: dict[int, tuple[Any, torch.Tensor, dict[str, Any]]] = {}
+        # id(model parameter) -> (torch Adam/AdamW, what it steps (the parameter or its fp32 master), its group's index)
+        self._adam: dict[int, tuple[Any, torch.Tensor, int]] = {}
         # the stepped parameters whose momentum this step sent compressed -> the dense steps their variance saw
         self._frozen_now: dict[int, int] = {}
+        self._wrappers: list[Any] = []  # the bound `MixedPrecisionOptimizer`s
 
     def bind(self, optimizers: list[Any]) -> None:
         """The strategy's `MixedPrecisionOptimizer` wrappers (zero_stage 0: `ParallelConfig` refuses ZeRO 1): each
@@ -46,11 +49,23 @@ class FrozenVarianceAdam:
                 if bad:
                     raise CompressionConfigError(
                         f"`gradient_compression` frozen_variance=True supports Adam/AdamW without {bad}.")
-            masters = {id(m): p for p, m in getattr(wrapper, "master_pairs", ())}
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    self._adam[id(masters.get(id(p), p))] = (inner, p, group)
+            self._wrappers.append(wrapper)
+            self._index(wrapper)
             wrapper.step_override = self.step
+
+    def _index(self, wrapper: Any) -> None:
+        masters = {id(m): p for p, m in getattr(wrapper, "master_pairs", ())}
+        for i, group in enumerate(wrapper.optimizer.param_groups):  # (by index: a resume's load replaces the dicts)
+            for p in group["params"]:
+                self._adam[id(masters.get(id(p), p))] = (wrapper.optimizer, p, i)
+
+    def _entry(self, p: torch.Tensor) -> Any:
+        """The (optimizer, stepped tensor, group index) of model parameter `p`; groups added while training
+        (`add_param_group`, Lightning's `BaseFinetuning`) are indexed when first met."""
+        if id(p) not in self._adam:
+            for wrapper in self._wrappers:
+                self._index(wrapper)
+        return self._adam.get(id(p))
 
     def momentum(self, flat: torch.Tensor, warmup_steps: int, params: Optional[list[torch.Tensor]],
                  parts: int) -> tuple[torch.Tensor, Union[float, torch.Tensor]]:
@@ -61,12 +76,13 @@ class FrozenVarianceAdam:
                              "in one part (zero_stage=0).")
         ms, betas = [], []
         for p in params:
-            entry = self._adam.get(id(p))
+            entry = self._entry(p)
             if entry is None:
                 raise CompressionConfigError(
                     "`gradient_compression` frozen_variance=True: a compressed parameter is not stepped by a bound "
                     "torch.optim.Adam/AdamW.")
-            optimizer, stepped, group = entry
+            optimizer, stepped, index = entry
+            group = optimizer.param_groups[index]
             m = optimizer.state.get(stepped, {}).get("exp_avg")
             ms.append(torch.zeros(p.numel(), device=flat.device) if m is None else m.detach().flatten().float())
             betas.append(float(group["betas"][0]))  # the group's current value (a scheduler may change it)
