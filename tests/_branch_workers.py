@@ -65,12 +65,12 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     try:
         trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt)
     except Exception as err:  # noqa: BLE001 (a refusal is a result here)
-        if os.environ.get("BZ1_TRACE"): import traceback; traceback.print_exc()
         return {"error": f"{type(err).__name__}: {err}"}
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
             "text_state": state_held(trainer, TEXT), "text_bytes": state_bytes(trainer, TEXT),
+            "text_local": sum(getattr(p, "_local_tensor", p).numel() for p in model.get_submodule(TEXT).parameters()),
             "compressed_bytes": sent.compressed,
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}

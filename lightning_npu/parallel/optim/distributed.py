@@ -171,7 +171,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.dp_group = self.dp_mesh.get_group()
         self.dp = self.dp_mesh.size()
         self.dp_rank = self.dp_mesh.get_local_rank()
-        self._dp_tp_mesh = mesh[replica_dim(mesh), "tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1 else None
         self.fqn = {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
         self._params_by_id = {id(p): p for p in module.parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -445,13 +444,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _with_tp(self, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         """The 2-D (dp, tp) mesh of `mesh` and the tp mesh beside it on their root mesh, one object per pair (the
-        gradient norm groups tensors by mesh)."""
-        if mesh is self.dp_mesh and self._dp_tp_mesh is not None:
-            return self._dp_tp_mesh
+        gradient norm groups tensors by mesh). A ZeRO-0 branch's btp shard in the top level's dp buckets: its
+        branch mesh's ``outer`` dim holds the top-level dp ranks (branches refuse pp and cp), beside its btp."""
         cache = self.__dict__.setdefault("_meshes_2d", {})
         key = (id(mesh), id(tp_mesh))
         if key not in cache:
-            cache[key] = mesh._get_root_mesh()[(*mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)]
+            root = mesh._get_root_mesh()  # (by dim names: torch may map an equal mesh of an earlier fit to its root)
+            if not set(tp_mesh.mesh_dim_names) <= set(root.mesh_dim_names):
+                root, mesh = tp_mesh._get_root_mesh(), None
+            names = mesh.mesh_dim_names if mesh is not None else (branch.MESH_DIMS[0],)
+            cache[key] = root[(*names, *tp_mesh.mesh_dim_names)]
         return cache[key]
 
     def _expert_dtensor(self, local: torch.Tensor, spec: Any) -> DTensor:
