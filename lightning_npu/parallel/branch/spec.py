@@ -102,6 +102,13 @@ def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
             raise ParallelConfigError(
                 f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level "
                 "ZeRO 2/3 a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
+        top = parse_compression(cfg.gradient_compression)
+        if b.zero_stage == 1 and any(s is not None and s.frozen_variance
+                                     for s in (top.values() if isinstance(top, dict) else [top])):
+            raise ParallelConfigError(
+                f"{where} with a `gradient_compression` of frozen_variance=True is not built yet: 1-bit Adam steps "
+                "each rank's whole momentum, which a branch's ZeRO-1 shards; use frozen_variance=False, or the "
+                "branch's 'zero_stage' 0.")
     for b in branches:
         if cfg.tensor_parallel_size % b.tensor_parallel_size:
             raise ParallelConfigError(
