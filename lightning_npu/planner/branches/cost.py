@@ -185,14 +185,19 @@ def branch_costs(model: BranchedModel, cluster: ClusterSpec, layout: Layout, pre
 def branched_memory(model: BranchedModel, layout: Layout, costs: list[BranchCost], precision: str = "bf16-mixed",
                     optimizer: str = "adamw", accounting: str = "lightning-npu") -> StageMemory:
     """A rank's bytes: every tower's share, the trunk's states, the dp buckets, the gathered outputs and the ZeRO-2/3
-    towers' gathered blocks."""
+    towers' gathered blocks (and the rest's fp32 masters where a ZeRO-1 tower brings ZeRO-1's optimizer)."""
     trunk = model_state_bytes(model.trunk_params, layout.dp, layout.zero_stage, precision, optimizer,
                               accounting=accounting)
-    _, _, _, act = PRECISION_BYTES[precision]
+    _, _, master, act = PRECISION_BYTES[precision]
     buckets = buffer_bytes(model.towers[0].model, Layout(layout.tp, 1, layout.dp, layout.zero_stage, 1, 1), 0, act)
+    # a ZeRO-1 tower where the top level is not ZeRO-1 over dp > 1: ZeRO-1's optimizer steps the rest of the model
+    # too, through whole fp32 masters that a plain optimizer of fp32 weights does without
+    rest = model.trunk_params + sum(c.params for c in costs if not c.zero_stage)
+    top_zero1 = layout.zero_stage == 1 and layout.dp > 1
+    masters = rest * 4 if master == 0 and not top_zero1 and any(c.zero_stage == 1 for c in costs) else 0.0
     return StageMemory(0, sum(c.parameters for c in costs) + trunk["parameters"],
                        sum(c.gradients for c in costs) + trunk["gradients"],
-                       sum(c.optimizer for c in costs) + trunk["optimizer"],
+                       sum(c.optimizer for c in costs) + trunk["optimizer"] + masters,
                        sum(c.activations for c in costs),
                        buckets + sum(c.gathered_output + c.fsdp_buffers for c in costs))
 
