@@ -101,6 +101,8 @@ TWO = {
     "dp2, text zero 1 save one file": BranchCase(BZ1_DP2, steps=2, save="text zero1 dp2 file"),
     "dp2, text zero 1 resume from one file": BranchCase(BZ1_DP2, steps=3, resume="text zero1 dp2 file"),
     "zero1 dp2, resume from text zero 1 file": BranchCase({}, steps=3, resume="text zero1 dp2 file"),
+    # bf16-true at dp 2: the text tower's ZeRO-1 over fdp = dp is the top-level ZeRO-1's (fp32 masters of bf16 weights)
+    "dp2, text zero 1 bf16": BranchCase(BZ1_DP2, precision="bf16-true"),
 }
 TP4 = {"tensor_parallel_size": 4, "zero_stage": 0, "branch_layouts": {TEXT: {"tensor_parallel_size": 2}}}
 FOUR = {
@@ -255,6 +257,9 @@ def test_branch_zero1_exact_shards_its_optimizer_state_and_resumes(runs):
     assert os.path.isdir(os.path.join(runs["directory"], "text zero1"))
     assert os.path.isfile(os.path.join(runs["directory"], "text zero1 dp2 file"))
     diff = compare(runs["ref accumulate 2"], rank0["text zero 1 accumulate 2"])
+    assert _exact(diff), diff
+    # bf16-true: the same run as the top-level ZeRO-1 without branches (measured bit-identical)
+    diff = compare(rank0["zero1 bf16"], rank0["dp2, text zero 1 bf16"])
     assert _exact(diff), diff
     # 4 processes: fdp 4 (dp 2 x bdp 2) holds a quarter; at tp 2 each of fdp 2 holds half of its rank's tp shards
     assert four["dp2 x tp2, top zero 1, text tp1 zero 1"]["text_bytes"] == (full // 4, full)
