@@ -73,7 +73,7 @@ from torch.optim import Optimizer
 from lightning_npu.parallel.branch import apply as branch
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel.sync import GradientBuckets, fsdp_modules
-from lightning_npu.parallel.mesh import replica_dim, replica_mesh
+from lightning_npu.parallel.mesh import replica_mesh
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, refuse_unflattenable
 from lightning_npu.parallel.state import module_state, tensor_state
@@ -429,11 +429,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if mesh is not None and mesh is self.edp_mesh:  # an expert: edp slices the rows of this rank's experts
             return self._expert_dtensor(local, spec)
         mesh = self.dp_mesh if mesh is None else mesh
-        # replicated: a 0-dim parameter (or any under `replicate`), whole on every dp rank, stepped identically; a
-        # 0-dim one in a bucket over one rank (a top-level dp of 1) is not marked so, and has no rows to shard
-        replicated = replicated or param.dim() == 0
+        # replicated: a 0-dim parameter (or any under `replicate`), whole on every dp rank, stepped identically
         dp_placement: Any = Replicate() if replicated else Shard(0)
-        if spec is None or (replicated and param.dim() == 0):
+        if spec is None or param.dim() == 0:
             return DTensor.from_local(local, mesh, (dp_placement,), run_check=False, shape=param.shape,
                                       stride=param.stride())
         (tp_placement,) = spec.placements
@@ -472,7 +470,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
         # over dp only (an expert's: over edp), shaped like the model parameter (a local tp shard under tp: `.grad`
         # must match its shape); a scalar's all-reduced gradient is shown as DDP shows it, a plain tensor
-        if replicated or param.dim() == 0:
+        if replicated:
             return local
         return DTensor.from_local(local, self.dp_mesh if mesh is None else mesh, (Shard(0),), run_check=False,
                                   shape=param.shape, stride=param.stride())
