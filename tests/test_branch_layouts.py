@@ -13,7 +13,7 @@ dp 2 x tp 2 with both towers at ZeRO 3), 4.4e-7 (tp 2, dp 1), state 1.2e-7, and 
 gradients summed over dp instead of averaged fail them (loss 4.5e-3 at 2 processes; 7.4e-4, state 2.7e-4 at 4).
 
 A branch's own ZeRO-1 (ZeRO-1's optimizer with buckets over its fdp ranks, under a top-level ZeRO 0 or 1): loss within
-7.1e-7, state 1.8e-7 at 2 and 4 processes, across save/resume/reshard, each rank holding 1/fdp of the tower's masters
+7.1e-7, state 1.7e-7 at 2 and 4 processes, across save/resume/reshard, each rank holding 1/fdp of the tower's masters
 and moments (bytes asserted). Dividing its reduce-scatter by fdp instead of the top-level dp fails the parity (loss
 3.0e-3 at 4 processes); all-reducing its buckets unsharded passes the parity and fails the bytes.
 """
