@@ -107,8 +107,9 @@ class NPUHybridStrategy(DDPStrategy):
             at tp N, its input batch split over the tp / N branch-dp ranks and its output all-gathered, its gradients
             summed over them (compressed as its ``gradient_compression`` says). N must divide tensor_parallel_size.
             The branch's ``zero_stage`` 2/3 shards it with FSDP2 over its dp x branch-dp ranks (any top-level
-            zero_stage; under 2/3 a branch that sets none takes the top level's); a branch ZeRO 0 takes
-            top-level zero_stage 0 or 1. Without pp, ep, cp or sequence_parallel (docs/layouts.md).
+            zero_stage; under 2/3 a branch that sets none takes the top level's); its ``zero_stage`` 1 shards its
+            optimizer state over those ranks, and it and a branch ZeRO 0 take top-level zero_stage 0 or 1. Without
+            pp, ep, cp or sequence_parallel (docs/layouts.md).
         expert_parallel_size: ranks of each dp group that split a mixture-of-experts model's experts between them
             (an ``ep`` group carved from dp; tokens dispatched by all-to-all); it must divide the dp size and the
             number of experts. With every ``zero_stage`` (ZeRO-1/3 shard the experts' states over the dp / ep ranks
@@ -508,6 +509,7 @@ class NPUHybridStrategy(DDPStrategy):
                     optimizer, self.lightning_module, self.device_mesh, cfg.bucket_size_mb,
                     overlap=cfg.overlaps_gradient_reduction, scaler=scaler, pp_group=pp_group,
                     compressor=self._grad_sync.dp_compressor,  # (a branch's own compressor is not the top's)
+                    replicate=cfg.zero_stage == 0,  # only a branch's own ZeRO-1 shards (the rest as under DDP)
                 )
             else:
                 if needs_closure(optimizer):  # LBFGS on FSDP2 shards or tp DTensors: refused before its first step

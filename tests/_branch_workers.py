@@ -91,7 +91,8 @@ def fit_case(case: BranchCase, directory: str) -> dict[str, Any]:
     if case.save:
         trainer.save_checkpoint(os.path.join(directory, case.save))
     return {"logged": losses.logged, "state": lightning_npu.full_state_dict(model), "branch_bytes": sent.sent,
-            "text_state": state_held(trainer, TEXT),
+            "text_state": state_held(trainer, TEXT), "text_bytes": state_bytes(trainer, TEXT),
+            "text_local": sum(getattr(p, "_local_tensor", p).numel() for p in model.get_submodule(TEXT).parameters()),
             "compressed_bytes": sent.compressed, "variance": {n: variance(trainer, n) for n in (TEXT, VISION)},
             "report": str(trainer.strategy.tp_report),
             "held": {n: held(model.get_submodule(n)) for n in (TEXT, VISION)}}
@@ -154,3 +155,20 @@ def compare(reference: dict[str, Any], got: dict[str, Any], steps: Optional[slic
     state = max((got["state"][k] - v).abs().max().item() for k, v in reference["state"].items()
                 if isinstance(v, torch.Tensor) and v.is_floating_point())
     return {"loss": loss, "state": state}
+
+
+def state_bytes(trainer: L.Trainer, prefix: str) -> Optional[tuple[int, int]]:
+    """Under a `DistributedOptimizer`: (bytes this rank holds, bytes of the whole tensors) of the fp32 masters and
+    optimizer state under `prefix` (None in other layouts)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_npu.parallel.optim.mixed_precision import unwrap_optimizer
+
+    opt = unwrap_optimizer(trainer.strategy.optimizers[0]) if trainer.strategy.optimizers else None
+    if not hasattr(opt, "master_state_dict"):
+        return None
+    tensors = [v for k, v in opt.sharded_state_dict().items() if k.startswith(f"state.{prefix}.")]
+    tensors += [v for k, v in opt.master_state_dict().items() if k.startswith(f"{prefix}.")]
+    tensors = [v for v in tensors if isinstance(v, DTensor)]
+    return (sum(v.to_local().numel() * v.element_size() for v in tensors),
+            sum(v.numel() * v.element_size() for v in tensors))

@@ -72,9 +72,10 @@ def test_the_example_clip_config_is_read_with_its_layout_and_compression():
     (1, {VISION: {"tensor_parallel_size": 2}, TEXT: {"tensor_parallel_size": 1, "zero_stage": 3}}, (0, 3)),
     (3, {VISION: {"tensor_parallel_size": 2}, TEXT: {"tensor_parallel_size": 1, "zero_stage": 2}}, (3, 2)),
     (0, {TEXT: {"tensor_parallel_size": 1}}, (0, 0)),
+    (0, {TEXT: {"tensor_parallel_size": 1, "zero_stage": 1}}, (0, 1)),
 ])
 def test_calibrate_reads_each_towers_zero_stage_from_the_run(top, branch_layouts, zeros):
-    """A run's branch ZeRO 2/3 is costed as such (a tower without its own stage under a top-level 2/3 takes it)."""
+    """A run's branch ZeRO 1-3 is costed as such (a tower without its own stage under a top-level 2/3 takes it)."""
     from lightning_npu.planner.calibrate import layout_from_config
 
     model = model_from_config(ROOT / "examples/clip/config.yaml")
@@ -171,6 +172,36 @@ def test_a_branch_zero_stage_costs_equal_hand_computed_values(zero):
     assert layout.strategy_init_args()["branch_layouts"] == {TEXT: {"tensor_parallel_size": 1, "zero_stage": zero}}
 
 
+def test_a_branch_zero1_costs_equal_hand_computed_values():
+    """The same CLIP and layout with the text tower at its own ZeRO-1 over fdp 4: its fp32 weights and gradient buffer
+    whole, its fp32 masters and Adam's moments sharded over fdp (4 + 8 bytes / 4 per parameter); one reduce-scatter
+    of its fp32 gradients per step as at ZeRO 2/3, and one all-gather of its stepped fp32 weights, not hidden. The
+    rest of the model, stepped by the same ZeRO-1 optimizer under the top-level ZeRO 0, holds whole fp32 masters."""
+    model = _clip(ZOO, 16)
+    cluster = ClusterSpec(devices=4, peak_tflops=1.0, gemm_efficiency=0.5, intra_node_GBps=392.0, intra_latency_us=2.0)
+    layout = Layout(2, 1, 2, 0, 2, 4, branches=(BranchChoice(VISION, 2), BranchChoice(TEXT, 1, None, 1)))
+    vision, text = branch_costs(model, cluster, layout, "32-true", "adamw")
+    h, bw, lat = 32, 392e9, 2e-6
+    ring = lambda nbytes, n, factor: factor * (n - 1) * lat + factor * (n - 1) / n * nbytes / bw  # noqa: E731
+    assert (text.params, text.zero_stage, text.fdp, text.bdp) == (21_760, 1, 4, 2)
+    assert (text.parameters, text.gradients, text.optimizer, text.fsdp_buffers) == (87_040, 87_040, 65_280, 0.0)
+    assert text.grad_sum_bytes == 87_040
+    assert text.grad_sum_s == pytest.approx(1.33325e-6, rel=1e-5)  # the reduce-scatter past the backward, as at 2/3
+    assert text.param_gather_s == pytest.approx(ring(4 * 21_760, 4, 1), rel=1e-12)
+    memory = branched_memory(model, layout, [vision, text], "32-true", "adamw")
+    trunk = 16 * (h + h) + 1
+    # the rest (vision, the trunk) gets whole fp32 masters from ZeRO-1's optimizer at the top-level ZeRO 0
+    assert memory.parameters + memory.gradients + memory.optimizer == (16 + 4) * (10_976 + trunk) + 239_360
+    step = branched_step_time(model, cluster, layout, [vision, text], "32-true")
+    towers = sum(c.compute_s + c.tp_comm_s + c.gather_s + c.grad_sum_s + c.param_gather_s for c in (vision, text))
+    window = (vision.compute_s + text.compute_s) / 2 * 2 / 3
+    assert step.step_s == pytest.approx(towers + max(0.0, ring((10_976 + trunk) * 4, 2, 2) - window), rel=1e-12)
+    assert layout.strategy_init_args()["branch_layouts"] == {TEXT: {"tensor_parallel_size": 1, "zero_stage": 1}}
+    from lightning_npu import NPUHybridStrategy
+
+    NPUHybridStrategy(**layout.strategy_init_args())  # the strategy builds it
+
+
 def test_a_branch_zero3_layout_is_the_one_that_fits():
     """ViT-L/14 + its text tower, 4096 pairs on 8 devices of 1.25 GB: at branch ZeRO 0 under the top-level ZeRO 0/1,
     nothing fits; with the branch ZeRO searched, every fitting layout shards a tower over its fdp, and the best runs
@@ -196,7 +227,9 @@ def _tps(estimate) -> tuple[int, int]:
 def test_memory_gives_the_vision_tower_the_larger_tp(zero_stages, memory_gb):
     """ViT-L/14 + its text tower (428 M), 4096 pairs per step on 8 devices: at ZeRO 0 (examples/clip's zero_stage) on
     2 GB, or with ZeRO-1 searched too on 1.5 GB, only a split vision tower fits. The text tower's 12 heads stop at tp
-    4; the vision tower's 303 M parameters need tp 8, so every fitting layout has vision tp >= text tp."""
+    4; the vision tower's 303 M parameters need tp 8, so every fitting layout has vision tp >= text tp. (The text
+    tower's own ZeRO-1 over its 2 branch-dp ranks would halve its optimizer state, but at the top-level dp of 1 its
+    ZeRO-1 optimizer gives the vision tower whole fp32 masters: that does not fit.)"""
     result = plan(_clip(VIT_L14, 4096), ClusterSpec(devices=8, device_memory_gb=memory_gb), zero_stages=zero_stages)
     assert _tps(result.best) == (8, 4)
     assert all(v >= t for v, t in map(_tps, result.ranked))
@@ -248,7 +281,7 @@ def test_a_tower_whose_heads_stop_its_tp_runs_as_a_branch():
 
 def test_every_ranked_layout_builds_the_strategy():
     """What the planner proposes, `NPUHybridStrategy` accepts (branch tp dividing the top level's, no pp/ep/cp/sp,
-    a branch zero_stage 0/2/3 under the top-level ZeRO 0/1, 2/3 under 2/3), with and without text compression."""
+    a branch zero_stage 0-3 under the top-level ZeRO 0/1, 2/3 under 2/3), with and without text compression."""
     from lightning_npu import NPUHybridStrategy
 
     seen = set()
@@ -260,11 +293,11 @@ def test_every_ranked_layout_builds_the_strategy():
                 args = e.layout.strategy_init_args()
                 assert args["pipeline_parallel_size"] == 1
                 for entry in (args.get("branch_layouts") or {}).values():
-                    assert entry.get("zero_stage", 0) in (0, 2, 3)
+                    assert entry.get("zero_stage", 0) in (0, 1, 2, 3)
                     seen.add((args["zero_stage"], entry.get("zero_stage", 0)))
                 NPUHybridStrategy(**args)
     # every top-level stage with the branch stages it composes with
-    assert seen == {(0, 0), (0, 2), (0, 3), (1, 0), (1, 2), (1, 3), (2, 2), (2, 3), (3, 2), (3, 3)}
+    assert seen == {(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 2), (3, 3)}
 
 
 def test_cli_prints_per_tower_costs_and_the_branch_layouts_block(tmp_path, capsys):

@@ -347,8 +347,9 @@ class ParallelConfig:
 
     @property
     def uses_distributed_optimizer(self) -> bool:
-        """ZeRO-1 over more than one replica (at dp x cp = 1 there is nothing to shard)."""
-        return self.zero_stage == 1 and self.replicas > 1
+        """ZeRO-1 over more than one replica (at dp x cp = 1 there is nothing to shard), or a branch's own ZeRO-1
+        (`branch_layouts`), whose optimizer state is sharded over the branch's dp ranks whatever the top level's."""
+        return (self.zero_stage == 1 and self.replicas > 1) or any(b.zero_stage == 1 for b in self.branches)
 
     @property
     def overlaps_gradient_reduction(self) -> bool:

@@ -209,8 +209,8 @@ class ClusterSpec:
 class BranchChoice:
     """One tower's layout inside each top-level tp group (the strategy's ``branch_layouts`` entry): its own tp size,
     the rest of the group as its branch dp, the compression of its branch-dp gradient sum (the user's, not
-    searched: it changes the numerics), and its own ZeRO stage: 0, or 2/3 (FSDP2 over fdp = top-level dp x branch dp;
-    a branch ZeRO-1 is not built)."""
+    searched: it changes the numerics), and its own ZeRO stage: 0, 1 (ZeRO-1's optimizer state over fdp = top-level
+    dp x branch dp) or 2/3 (FSDP2 over fdp)."""
 
     glob: str
     tp: int

@@ -7,6 +7,12 @@ contrastive loss) sees every sample. Backward is the matching slice, so each bdp
 slice's part: they are summed over ``bdp`` (`BranchGradientSync`), then reduced over the top-level dp like every
 other gradient.
 
+A branch's own ``zero_stage`` 1 (`zero1_groups`) keeps its parameters whole on each rank of its btp group (local
+tp shards, as ZeRO 0) and gives ZeRO-1's optimizer extra gradient buckets over ``fdp`` (below): one reduce-scatter
+there sums over bdp and the top-level dp at once, divided by the top-level dp size, and its fp32 masters and moments
+are sharded over every fdp rank (2-D ``(fdp, btp)`` DTensors under a branch tp), so neither the bdp sum nor the
+top level's dp reduction touches them.
+
 A branch's own ``zero_stage`` 2/3 (`shard_branches`) makes its blocks and itself FSDP2 units over ``fdp``, the
 (outer x bdp) ranks flattened: every rank that holds the same branch tp shard. Its tp parameters stay DTensors on
 ``btp``, which FSDP2 makes 2-D (fdp, btp) as torchtitan composes FSDP2 with TP. The one reduce-scatter over fdp then
@@ -124,10 +130,11 @@ def applied_branches(model: nn.Module) -> list[tuple[str, nn.Module, BranchShard
 
 def branch_parameters(model: nn.Module) -> list[tuple[BranchShard, list[tuple[str, nn.Parameter]]]]:
     """Each applied branch with bdp > 1 and its (full name, parameter) pairs that the bdp sum reduces, in module
-    order: all of a ZeRO-0 branch's, none of a ZeRO-2/3 branch's but those FSDP2 leaves out (0-dim)."""
+    order: all of a ZeRO-0 branch's, none of a ZeRO-1 branch's (ZeRO-1's fdp buckets sum them), none of a ZeRO-2/3
+    branch's but those FSDP2 leaves out (0-dim)."""
     out = []
     for name, module, shard in applied_branches(model):
-        if shard.bdp > 1:
+        if shard.bdp > 1 and shard.layout.zero_stage != 1:
             named = list(module.named_parameters(prefix=name))  # frozen ones too: `BaseFinetuning` unfreezes later
             if fully_sharded(shard.layout):
                 named = [(n, p) for n, p in named if p.dim() == 0]
@@ -155,6 +162,14 @@ def fully_sharded_units(model: nn.Module) -> list[nn.Module]:
     """The FSDP2 units of the ZeRO-2/3 branches (accumulating micro-steps switch their reduce-scatter off)."""
     return [u for _, module, shard in applied_branches(model) if fully_sharded(shard.layout)
             for u in fsdp_modules(module)]
+
+
+def zero1_groups(model: nn.Module) -> list[tuple[DeviceMesh, int, list[nn.Parameter]]]:
+    """Each branch with its own ZeRO-1: ``(fdp mesh, top-level dp size, its parameters)``. ZeRO-1's optimizer gives
+    them buckets over fdp (module docstring): their SUM there, divided by the top-level dp size. Collective the
+    first time (`fsdp_mesh`)."""
+    return [(fsdp_mesh(shard), shard.mesh["outer"].size(), list(module.parameters()))
+            for _, module, shard in applied_branches(model) if shard.layout.zero_stage == 1]
 
 
 def fsdp_mesh(shard: BranchShard) -> DeviceMesh:

@@ -4,8 +4,10 @@ A branch is a submodule (``model.text_model``) that factorizes each top-level tp
 (branch dp x branch tp): its ranks read the same batch, so a branch at a smaller tp splits that batch over its
 branch-dp ranks instead of sharding weights as finely. A branch's ``zero_stage`` 2/3 shards it with FSDP2 over all
 its dp ranks (the top-level dp x its branch dp), under any top-level zero_stage (ZeRO-1's optimizer leaves FSDP2's
-shards to it). A branch's 1-bit Adam (``frozen_variance``) needs whole momenta: ZeRO 0 there and at the top level.
-What is not built yet is refused here, naming the argument.
+shards to it); its ``zero_stage`` 1 shards its optimizer state over those ranks (ZeRO-1's optimizer, under a top-level
+zero_stage 0 or 1). A branch's 1-bit Adam
+(``frozen_variance``) needs whole momenta: ZeRO 0 there and at the top level. What is not built yet is refused here,
+naming the argument.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class BranchLayout:
 
 
 def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> list[BranchLayout]:
-    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0|2|3}}``.
+    """``None`` or ``{module glob: {"tensor_parallel_size": N, "gradient_compression": ..., "zero_stage": 0-3}}``.
     A branch without its own 'zero_stage' under a top-level ZeRO 2/3 (`top_zero_stage`) takes the top level's: FSDP2
     shards it over its own ranks (a ZeRO-0 branch does not compose with a top-level ZeRO 2/3)."""
     if value is None:
@@ -60,12 +62,12 @@ def parse_branch_layouts(value: Any, top_zero_stage: Optional[int] = None) -> li
             raise ParallelConfigError(f"{where}['tensor_parallel_size']={tp!r} must be a positive int, e.g. 2.")
         zero = options.get("zero_stage", top_zero_stage if top_zero_stage in (2, 3) else 0)
         if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
-            raise ParallelConfigError(f"{where}['zero_stage']={zero!r} must be 0, 2 or 3.")
-        if zero == 1:
+            raise ParallelConfigError(f"{where}['zero_stage']={zero!r} must be 0, 1, 2 or 3.")
+        if zero == 1 and options.get("gradient_compression") is not None:
             raise ParallelConfigError(
-                f"{where}['zero_stage']=1: a branch's own ZeRO-1 is not built yet; use 'zero_stage': 3 (or 2) to "
-                "shard its parameters, gradients and optimizer state over its dp ranks (under any top-level "
-                "zero_stage), or 0 to follow a top-level zero_stage 0 or 1.")
+                f"{where}: 'zero_stage': 1 with a 'gradient_compression' is not built yet (ZeRO-1's reduce-scatter "
+                "over the branch's dp ranks is uncompressed); use 'zero_stage': 3 (or 2, FSDP2's reduce-scatter is "
+                "compressed) or 0, or drop the branch's gradient_compression.")
         raw = options.get("gradient_compression")
         try:
             spec = parse_compression(raw)
@@ -104,6 +106,13 @@ def check_with_layout(branches: list[BranchLayout], cfg: Any) -> None:
             raise ParallelConfigError(
                 f"{where} with the top-level `zero_stage={cfg.zero_stage}` is not built yet: under a top-level "
                 "ZeRO 2/3 a branch shards itself; set the branch's 'zero_stage' to 2 or 3.")
+        top = parse_compression(cfg.gradient_compression)
+        if b.zero_stage == 1 and any(s is not None and s.frozen_variance
+                                     for s in (top.values() if isinstance(top, dict) else [top])):
+            raise ParallelConfigError(
+                f"{where} with a `gradient_compression` of frozen_variance=True is not built yet: 1-bit Adam steps "
+                "each rank's whole momentum, which a branch's ZeRO-1 shards; use frozen_variance=False, or the "
+                "branch's 'zero_stage' 0.")
     for b in branches:
         if b.compression is not None and b.compression.frozen_variance and cfg.zero_stage != 0:
             raise ParallelConfigError(  # the branch's momentum would be the top-level ZeRO-1's dp slices

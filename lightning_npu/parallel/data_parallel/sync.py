@@ -273,22 +273,28 @@ class GradientBuckets:
         self.add(params)
 
     def add(self, params: list[nn.Parameter], mesh: Optional[DeviceMesh] = None,
-            divide_by: Optional[int] = None) -> list[_Bucket]:
+            divide_by: Optional[int] = None, replicate: bool = False) -> list[_Bucket]:
         """Bucket `params` (at construction, and for an optimizer's `add_param_group`); returns the new buckets, which
         reduce after the existing ones (one fixed order on every rank). `mesh`: the 1-D mesh they reduce over
-        (default the dp mesh given at construction); `divide_by`: the SUM's divisor (default that mesh's size)."""
+        (default the dp mesh given at construction); `divide_by`: the SUM's divisor (default that mesh's size).
+        `replicate` (sharded buckets): all-reduced and held whole on every rank, as scalars are (a top-level ZeRO 0
+        beside a branch's own ZeRO-1)."""
         mesh = self.mesh if mesh is None else mesh
         size = mesh.size()
-        rank = mesh.get_local_rank() if self.shard else 0
+        rank = mesh.get_local_rank() if self.shard and not replicate else 0
         device = params[0].device if params else torch.device("cpu")
         # buckets are homogeneous in dtype and compression spec (per-module globs): each is reduced one way
         spec_of = self.compressor.spec_of if self.compressor is not None else (lambda p: None)
-        new = _make_buckets(params, self.bucket_size_mb, size if self.shard else 1, rank, device, spec_of)
+        new = _make_buckets(params, self.bucket_size_mb, size if self.shard and not replicate else 1, rank, device,
+                            spec_of)
         for bucket in new:
             bucket.group, bucket.mesh = mesh.get_group(), mesh
             bucket.divide_by = size if divide_by is None else divide_by
-            if bucket.replicated:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
-                bucket.spec = None
+            if self.shard and (replicate or bucket.params[0].dim() == 0):
+                bucket.replicated = True  # scalars (also over one rank) and `replicate`: whole on every rank
+            if bucket.replicated:
+                if not replicate:  # a few bytes: reduced uncompressed (no compressor handles a bucket of scalars)
+                    bucket.spec = None
             elif self.inplace and bucket.dtype == torch.float32 and not any(
                     isinstance(p, DTensor) for p in bucket.params):  # a plain `.grad` cannot be a DTensor's
                 bucket.make_inplace()

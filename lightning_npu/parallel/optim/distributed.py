@@ -39,6 +39,13 @@ rank steps its FSDP2 shard as it is (an fp32 shard is its own master, a 16-bit o
 same layout; its optimizer state is sharded with it), the gradient norm counts its DTensor gradient once, and
 checkpoints store it as FSDP2's DTensor.
 
+A branch's own ZeRO-1 (``branch_layouts``, `branch.apply.zero1_groups`) gives its parameters extra buckets over the
+branch's ``fdp`` ranks (top-level dp x branch dp: every rank holding the same branch tp shard): one reduce-scatter
+sums the bdp slices' parts and the top-level replicas at once, divided by the top-level dp size, and their masters
+and state are sliced over fdp (2-D ``(fdp, btp)`` DTensors under a branch tp). The top level then need not be ZeRO-1
+itself: at a top-level dp of 1 its buckets span one rank, and under a top-level ZeRO 0 (`replicate`) they are
+all-reduced and stepped whole on every rank (Replicate masters), DDP's result with this class's one gradient path.
+
 A 0-dim parameter (CLIP's ``logit_scale``) has no rows to slice: its gradient is all-reduced and every rank
 steps it whole, as under DDP (its master is a ``Replicate`` DTensor over dp, saved and resharded like the rest).
 
@@ -63,9 +70,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
+from lightning_npu.parallel.branch import apply as branch
 from lightning_npu.parallel.collectives import all_gather_into
 from lightning_npu.parallel.data_parallel.sync import GradientBuckets, fsdp_modules
-from lightning_npu.parallel.mesh import replica_dim, replica_mesh
+from lightning_npu.parallel.mesh import replica_mesh
 from lightning_npu.parallel.optim import grad_norm as gn
 from lightning_npu.parallel.optim.mixed_precision import MixedPrecisionOptimizer, needs_closure, refuse_unflattenable
 from lightning_npu.parallel.state import module_state, tensor_state
@@ -140,6 +148,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         pp_group: Optional[Any] = None,
         compressor: Optional[Any] = None,
         defer_gather: Optional[bool] = None,
+        replicate: bool = False,
     ) -> None:
         if isinstance(optimizer, MixedPrecisionOptimizer):
             raise ValueError(f"The optimizer is already a {type(optimizer).__name__}.")
@@ -162,7 +171,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.dp_group = self.dp_mesh.get_group()
         self.dp = self.dp_mesh.size()
         self.dp_rank = self.dp_mesh.get_local_rank()
-        self._dp_tp_mesh = mesh[replica_dim(mesh), "tp"] if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1 else None
         self.fqn = {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
         self._params_by_id = {id(p): p for p in module.parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -191,13 +199,25 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 f"{self.closure_optimizer} with a branch's own zero_stage 2/3 under the top-level zero_stage=1 is not "
                 "supported (its DTensor steps would mix the branch's and the other parameters' meshes); use an "
                 "element-wise optimizer such as AdamW, or the top-level zero_stage 0, 2 or 3.")
-        self.grad_buckets = GradientBuckets([p for p in params if id(p) not in experts | self.self_sharded],
-                                            self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap,
+        # a branch's own ZeRO-1 (`branch_layouts`): buckets over its fdp ranks (`_add_branch_buckets`)
+        self._branch_of = {id(p): (fdp, dp) for fdp, dp, ps in branch.zero1_groups(module) for p in ps}
+        in_branches = {id(p) for p in params if id(p) in self._branch_of}
+        if in_branches and self.steps_dtensors:
+            raise ValueError(
+                f"{self.closure_optimizer} with a branch's own zero_stage=1 is not supported (its DTensor steps would "
+                "mix the branch's and the other parameters' meshes); use an element-wise optimizer such as AdamW, or "
+                "the branch's zero_stage 0, 2 or 3.")
+        # `replicate`: a top-level ZeRO 0 beside a branch's own ZeRO-1: the rest is all-reduced and stepped whole
+        self.replicate = replicate
+        self.grad_buckets = GradientBuckets([], self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap,
                                             compressor=compressor)
+        self.grad_buckets.add([p for p in params if id(p) not in experts | self.self_sharded | in_branches],
+                              replicate=replicate)
         if experts:
             for bucket in self.grad_buckets.add([p for p in params if id(p) in experts], mesh=self.edp_mesh,
                                                 divide_by=self.dp):
                 bucket.spec = None  # uncompressed: the compressors' state belongs to the dp group
+        self._add_branch_buckets([p for p in params if id(p) in in_branches])
         self.buckets = self.grad_buckets.buckets
         # this rank's fp32 master rows of each bucket (the slice is the master copy, whatever the parameters' dtype)
         self.masters: list[torch.Tensor] = []
@@ -232,6 +252,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # groups, so a scheduler's learning rate is the one stepped and is read back from the same dicts
         optimizer.param_groups = public
         MixedPrecisionOptimizer.__init__(self, optimizer, scaler=scaler, pp_group=pp_group)
+
+    def _add_branch_buckets(self, params: list[nn.Parameter]) -> list[Any]:
+        """Buckets of the ZeRO-1 branches' parameters, one set per branch, over its fdp mesh (the top-level dp x its
+        branch dp), their SUM divided by the top-level dp; uncompressed (the top level's compressor state belongs to
+        its dp group)."""
+        new: list[Any] = []
+        for fdp, dp in {id(v[0]): v for v in self._branch_of.values()}.values():
+            mine = [p for p in params if self._branch_of[id(p)][0] is fdp]
+            if mine:
+                new += self.grad_buckets.add(mine, mesh=fdp, divide_by=dp)
+        for bucket in new:
+            bucket.spec = None
+        return new
 
     def _share_state(self) -> None:
         self.state = self.inner.state  # keyed by the local views: plain tensors of this rank's slices
@@ -334,7 +367,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError("add_param_group: adding expert-parallel parameters while training is not supported at "
                              "zero_stage=1; put them in `configure_optimizers`' groups, or use zero_stage=0.")
         new_sharded = fsdp_sharded(self._module) & {id(p) for p in params}
-        self._add_masters(self.grad_buckets.add([p for p in params if id(p) not in new_sharded]))
+        rest = [p for p in params if id(p) not in new_sharded]
+        self._add_masters(self.grad_buckets.add([p for p in rest if id(p) not in self._branch_of],
+                                                replicate=self.replicate))
+        self._add_masters(self._add_branch_buckets([p for p in rest if id(p) in self._branch_of]))
         self.self_sharded |= new_sharded
         self._add_self_sharded([p for p in params if id(p) in new_sharded])
         self.model_params.extend(params)
@@ -387,23 +423,36 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     # ---- layout ---------------------------------------------------------------------------
     def _dtensor(self, local: torch.Tensor, param: torch.Tensor, replicated: bool = False,
                  mesh: Optional[DeviceMesh] = None) -> DTensor:
+        """The master slice `local` as a DTensor over its bucket's `mesh` (dp, or a ZeRO-1 branch's fdp), 2-D with
+        the tp dim where `param` is a local tp shard (the top level's tp, or the branch's btp)."""
         spec = sharding_of(param)
         if mesh is not None and mesh is self.edp_mesh:  # an expert: edp slices the rows of this rank's experts
             return self._expert_dtensor(local, spec)
-        if replicated:  # a 0-dim parameter: whole on every dp rank, stepped identically (as under DDP)
-            return DTensor.from_local(local, self.dp_mesh, (Replicate(),), run_check=False, shape=param.shape,
+        mesh = self.dp_mesh if mesh is None else mesh
+        # replicated: a 0-dim parameter (or any under `replicate`), whole on every dp rank, stepped identically
+        dp_placement: Any = Replicate() if replicated else Shard(0)
+        if spec is None or param.dim() == 0:
+            return DTensor.from_local(local, mesh, (dp_placement,), run_check=False, shape=param.shape,
                                       stride=param.stride())
-        if spec is None:
-            return DTensor.from_local(local, self.dp_mesh, (Shard(0),), run_check=False, shape=param.shape,
-                                      stride=param.stride())
-        assert self._dp_tp_mesh is not None
         (tp_placement,) = spec.placements
-        if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
+        if not replicated and isinstance(tp_placement, Shard) and tp_placement.dim == 0:
             dp_placement = _StridedShard(0, split_factor=spec.mesh.size())  # dp slices each tp shard's rows
-        else:
-            dp_placement = Shard(0)
-        return DTensor.from_local(local, self._dp_tp_mesh, (dp_placement, tp_placement), run_check=False,
-                                  shape=spec.shape, stride=spec.stride)
+        return DTensor.from_local(local, self._with_tp(mesh, spec.mesh), (dp_placement, tp_placement),
+                                  run_check=False, shape=spec.shape, stride=spec.stride)
+
+    def _with_tp(self, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+        """The 2-D (dp, tp) mesh of `mesh` and the tp mesh beside it on their root mesh, one object per pair (the
+        gradient norm groups tensors by mesh). A ZeRO-0 branch's btp shard in the top level's dp buckets: its
+        branch mesh's ``outer`` dim holds the top-level dp ranks (branches refuse pp and cp), beside its btp."""
+        cache = self.__dict__.setdefault("_meshes_2d", {})
+        key = (id(mesh), id(tp_mesh))
+        if key not in cache:
+            root = mesh._get_root_mesh()  # (by dim names: torch may map an equal mesh of an earlier fit to its root)
+            if not set(tp_mesh.mesh_dim_names) <= set(root.mesh_dim_names):
+                root, mesh = tp_mesh._get_root_mesh(), None
+            names = mesh.mesh_dim_names if mesh is not None else (branch.MESH_DIMS[0],)
+            cache[key] = root[(*names, *tp_mesh.mesh_dim_names)]
+        return cache[key]
 
     def _expert_dtensor(self, local: torch.Tensor, spec: Any) -> DTensor:
         """Over ``(edp, ep[, tp])``: the experts' layout (``Shard(0)`` over ep) with edp slicing each ep shard's rows,

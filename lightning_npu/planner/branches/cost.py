@@ -16,6 +16,14 @@ per top-level dp rank:
   synchronous, so not overlapped;
 - the model states follow the top-level ZeRO stage (0 or 1) over the top-level dp, as the strategy holds them.
 
+A tower at its own ZeRO-1 (`BranchChoice.zero_stage` 1: ZeRO-1's optimizer over fdp = top-level dp x d_i ranks)
+keeps its weights and its fp32 gradients whole until they are reduce-scattered (the gradient buffer of its buckets),
+and its fp32 masters and optimizer state are sharded over fdp (`memory.model_state_bytes`, accounting
+"lightning-npu-gloo", the whole-buffer form); one reduce-scatter of its fp32 gradients over fdp per step replaces its
+branch-dp sum and the top-level dp reduction (exposed beyond the last micro-batch's backward of the tower, as at
+ZeRO 2/3), and the stepped weights are all-gathered over fdp once per step, counted whole (as `timing` counts ZeRO-1's
+gather).
+
 A tower at its own ZeRO stage z = 2 or 3 (`BranchChoice.zero_stage`: FSDP2 over fdp = top-level dp x d_i ranks) is
 costed with the single-tower ZeRO-2/3 terms (`memory.model_state_bytes`, `memory.buffer_bytes`, `timing`'s rings):
 
@@ -76,9 +84,9 @@ class BranchCost:
     gather_s: float
     grad_sum_s: float  # once per step
     grad_sum_bytes: float  # this rank's payload for the branch-dp sum per step (`BranchGradientSync.sent_bytes`)
-    zero_stage: int = 0  # the tower's own: 0, or 2/3 (FSDP2 over fdp)
-    fdp: int = 1  # ranks its ZeRO-2/3 shards over (top-level dp x bdp); 1 at zero_stage 0
-    param_gather_s: float = 0.0  # exposed parameter all-gathers per step (ZeRO 2/3)
+    zero_stage: int = 0  # the tower's own: 0, 1 (ZeRO-1 over fdp) or 2/3 (FSDP2 over fdp)
+    fdp: int = 1  # ranks its ZeRO 1-3 shards over (top-level dp x bdp); 1 at zero_stage 0
+    param_gather_s: float = 0.0  # exposed parameter all-gathers per step (ZeRO 1-3)
     fsdp_buffers: float = 0.0  # FSDP2's gathered blocks in flight (ZeRO 2/3; `memory.buffer_bytes`)
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,10 +128,13 @@ def tower_cost(tower: Tower, choice: BranchChoice, layout: Layout, cluster: Clus
     _, _, _, act = PRECISION_BYTES[precision]
     params = stage_params(m, lay, 0)
     zero, fdp = choice.zero_stage, layout.dp * bdp
-    if zero not in (0, 2, 3) or (zero and choice.compression is not None):
+    if zero not in (0, 1, 2, 3) or (zero and choice.compression is not None):
         raise PlannerError(f"tower {tower.glob!r} at zero_stage {zero}: the planner costs a branch zero_stage of 0, "
-                           "2 or 3, and 2/3 only uncompressed; pass one of those.")
-    if zero:  # FSDP2 over fdp: the single-tower ZeRO-2/3 states and gathered blocks
+                           "1, 2 or 3, and 1-3 only uncompressed; pass one of those.")
+    if zero == 1:  # ZeRO-1 over fdp: whole weights and fp32 gradient buffer, masters and state sharded
+        states = model_state_bytes(params, fdp, 1, precision, optimizer, accounting="lightning-npu-gloo")
+        blocks = 0.0
+    elif zero:  # FSDP2 over fdp: the single-tower ZeRO-2/3 states and gathered blocks
         states = model_state_bytes(params, fdp, zero, precision, optimizer, accounting=accounting)
         blocks = buffer_bytes(m, Layout(choice_tp, 1, fdp, zero, 1, 1), gather_bytes(precision), act)
     else:
@@ -146,8 +157,11 @@ def tower_cost(tower: Tower, choice: BranchChoice, layout: Layout, cluster: Clus
         sent = params * 4  # fp32 gradients, reduce-scattered once per step
         reduce = _ring(sent, fdp, *link, 1)
         grad_sum = max(0.0, reduce - compute * 2 / 3)  # beyond the last micro-batch's backward of the tower
-        gathers = (2 if zero == 3 else 1) * _ring(params * gather_bytes(precision), fdp, *link, 1)
-        param_gather = mb * max(0.0, gathers - compute)
+        if zero == 1:  # the stepped weights, once per step, not hidden
+            param_gather = _ring(params * PRECISION_BYTES[precision][0], fdp, *link, 1)
+        else:
+            gathers = (2 if zero == 3 else 1) * _ring(params * gather_bytes(precision), fdp, *link, 1)
+            param_gather = mb * max(0.0, gathers - compute)
         return BranchCost(tower.glob, choice_tp, bdp, samples, params, states["parameters"], states["gradients"],
                           states["optimizer"], activations, gathered, mb * compute, mb * tp_comm, mb * gather,
                           grad_sum, sent if fdp > 1 else 0.0, zero, fdp, param_gather, blocks)
@@ -171,14 +185,19 @@ def branch_costs(model: BranchedModel, cluster: ClusterSpec, layout: Layout, pre
 def branched_memory(model: BranchedModel, layout: Layout, costs: list[BranchCost], precision: str = "bf16-mixed",
                     optimizer: str = "adamw", accounting: str = "lightning-npu") -> StageMemory:
     """A rank's bytes: every tower's share, the trunk's states, the dp buckets, the gathered outputs and the ZeRO-2/3
-    towers' gathered blocks."""
+    towers' gathered blocks (and the rest's fp32 masters where a ZeRO-1 tower brings ZeRO-1's optimizer)."""
     trunk = model_state_bytes(model.trunk_params, layout.dp, layout.zero_stage, precision, optimizer,
                               accounting=accounting)
-    _, _, _, act = PRECISION_BYTES[precision]
+    _, _, master, act = PRECISION_BYTES[precision]
     buckets = buffer_bytes(model.towers[0].model, Layout(layout.tp, 1, layout.dp, layout.zero_stage, 1, 1), 0, act)
+    # a ZeRO-1 tower where the top level is not ZeRO-1 over dp > 1: ZeRO-1's optimizer steps the rest of the model
+    # too, through whole fp32 masters that a plain optimizer of fp32 weights does without
+    rest = model.trunk_params + sum(c.params for c in costs if not c.zero_stage)
+    top_zero1 = layout.zero_stage == 1 and layout.dp > 1
+    masters = rest * 4 if master == 0 and not top_zero1 and any(c.zero_stage == 1 for c in costs) else 0.0
     return StageMemory(0, sum(c.parameters for c in costs) + trunk["parameters"],
                        sum(c.gradients for c in costs) + trunk["gradients"],
-                       sum(c.optimizer for c in costs) + trunk["optimizer"],
+                       sum(c.optimizer for c in costs) + trunk["optimizer"] + masters,
                        sum(c.activations for c in costs),
                        buckets + sum(c.gathered_output + c.fsdp_buffers for c in costs))
 
@@ -186,14 +205,14 @@ def branched_memory(model: BranchedModel, layout: Layout, costs: list[BranchCost
 def branched_step_time(model: BranchedModel, cluster: ClusterSpec, layout: Layout, costs: list[BranchCost],
                        precision: str = "bf16-mixed") -> StepTime:
     """The towers' compute, tp traffic, output gathers and branch-dp sums, plus the top-level dp reduction of every
-    parameter on the rank but the ZeRO-2/3 towers' (fp32; ZeRO-1 adds the weights' all-gather), exposed beyond the last
-    backward; a ZeRO-2/3 tower's reduce-scatter and parameter gathers are its `grad_sum_s` and `param_gather_s`."""
+    parameter on the rank but the ZeRO 1-3 towers' (fp32; ZeRO-1 adds the weights' all-gather), exposed beyond the last
+    backward; a ZeRO 1-3 tower's reduce-scatter and parameter gathers are its `grad_sum_s` and `param_gather_s`."""
     intra, inter = _links(cluster)
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[precision]
     compute = sum(c.compute_s for c in costs)
     tp_comm = sum(c.tp_comm_s for c in costs)
     branch = sum(c.gather_s + c.grad_sum_s + c.param_gather_s for c in costs)
-    params = sum(c.params for c in costs if not c.zero_stage) + model.trunk_params  # ZeRO-2/3 towers: their own
+    params = sum(c.params for c in costs if not c.zero_stage) + model.trunk_params  # ZeRO 1-3 towers: their own
     dp_link = intra if layout.tp * layout.dp <= cluster.devices_per_node else inter
     reduce = _ring(params * max(g_bytes, 4), layout.dp, *dp_link, 2 if layout.zero_stage == 0 else 1)
     gather = _ring(params * w_bytes, layout.dp, *dp_link, 1) if layout.zero_stage >= 1 else 0.0

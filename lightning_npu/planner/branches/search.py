@@ -1,11 +1,11 @@
 """Rank the layouts of a multi-branch model: top-level tp x dp, every tower's own tp (a divisor of the top-level tp,
-the largest tower tp being the top level's) and its own ZeRO stage (0, or 2/3: FSDP2 over fdp = top-level dp x branch
-dp), the micro-batch size and the top-level ZeRO stage.
+the largest tower tp being the top level's) and its own ZeRO stage (0; 1: ZeRO-1's optimizer state over fdp =
+top-level dp x branch dp; 2/3: FSDP2 over fdp), the micro-batch size and the top-level ZeRO stage.
 
 Only what the strategy builds with `branch_layouts` is searched (`parallel.branch.spec`): no pp, ep, cp or sequence
-parallelism; a branch ZeRO of 0, 2 or 3 (never 1; 2/3 where `zero_stages` has them and fdp > 1, on an uncompressed
-tower: its compressed reduce-scatter is not costed); the top-level ZeRO 0/1 under any branch stages, 2/3 only with
-every tower at 2/3 (the strategy refuses a ZeRO-0 branch under them); no activation recomputation (untested with
+parallelism; a branch ZeRO of 0 to 3 (1-3 where `zero_stages` has them and fdp > 1, on an uncompressed tower: its
+compressed reduce-scatter is not costed); the top-level ZeRO 0/1 under any branch stages, 2/3 only with every tower at
+2/3 (the strategy refuses a ZeRO-0 or ZeRO-1 branch under them); no activation recomputation (untested with
 branches). A tower's tp must divide its heads and its branch dp the micro-batch, as the strategy checks.
 """
 
@@ -74,12 +74,12 @@ def plan_branched(model: BranchedModel, cluster: ClusterSpec, *, precision: str,
                     result.rejected["a tower's branch dp does not divide the micro-batch"] += 1
                     result.considered += 1
                     continue
-                towers_zero = [[0] + [z for z in (2, 3) if z in zero_stages and tw.compression is None
+                towers_zero = [[0] + [z for z in (1, 2, 3) if z in zero_stages and tw.compression is None
                                       and dp * top // t > 1]
                                for tw, t in zip(model.towers, tps)]
                 for zero, zs in product(zero_stages, product(*towers_zero)):
-                    if (zero and dp == 1) or (zero > 1 and 0 in zs):
-                        continue  # nothing to shard over at dp 1; a ZeRO-0 branch under a top-level ZeRO 2/3: refused
+                    if (zero and dp == 1) or (zero > 1 and min(zs) < 2):
+                        continue  # nothing to shard at dp 1; a ZeRO-0/1 branch under a top-level ZeRO 2/3: refused
                     result.considered += 1
                     choices = tuple(BranchChoice(tw.glob, t, tw.compression, z)
                                     for tw, t, z in zip(model.towers, tps, zs))
