@@ -132,34 +132,50 @@ class ProfileSplit(L.Callback):
                             schedule=schedule(wait=0, warmup=self.warmup, active=self.steps, repeat=1))
         self.prof.__enter__()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.prof.step()
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # the optimizer's part of the step, as the timers take it: Lightning runs forward and backward as a closure
+        # inside ``optimizer.step`` (torch's ``Optimizer.step#`` range holds them under "ddp")
+        self._range = torch.autograd.profiler.record_function("split:optimizer")
+        self._range.__enter__()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if getattr(self, "_range", None) is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if trainer.global_step < self.warmup + self.steps:
+            self.prof.step()
+            return
+        # the last step: stop while no collective is in flight. ZeRO-1's parameter all-gather, launched under the
+        # profiler and waited after it stopped (fit's end), crashed the process (SIGSEGV in the wait)
+        for opt in trainer.strategy.optimizers:
+            getattr(opt, "wait_parameters", lambda: None)()
+        self.prof.step()
         self.prof.__exit__(None, None, None)
         self.split = split_steps(self.prof.events())
 
 
 def split_steps(events: Any) -> list[dict[str, float]]:
-    """Each profiled step (a ``ProfilerStep#N`` range) of the main thread (the one running the steps), in ms, by what
+    """Each profiled step (a ``ProfilerStep`` range) of the main thread (the one running the steps), in ms, by what
     the main thread is doing at each instant, first match wins:
 
     - ``exposed_comm``: inside a ``c10d::`` call (a blocking collective, or launching an async one), or between
       ops while a ``gloo:`` collective runs on gloo's threads (the main thread waits for it: DDP's reducer, a
       bucket's ``wait``, the all-gather's pre-forward hook);
-    - ``optimizer``: inside ``Optimizer.step#...`` (ZeRO-1: the sliced step and the all-gather launch);
+    - ``optimizer``: from ``on_before_optimizer_step`` to the step's end (a ``split:optimizer`` range: the
+      optimizer step, ZeRO-1's parameter all-gather launch; torch's ``Optimizer.step#`` range holds Lightning's
+      closure, forward and backward included);
     - ``compute``: inside any other op (``aten::``, autograd nodes): forward and backward;
     - ``other``: none of these (Python and Lightning between ops, with no collective in flight).
     """
-    steps = [e for e in events if e.name.startswith("ProfilerStep#")]
+    steps = [e for e in events if e.name.startswith("ProfilerStep")]
     if not steps:
         return []
     main = steps[0].thread
-    mine = [e for e in events if e.thread == main and not e.name.startswith("ProfilerStep#")]
+    mine = [e for e in events if e.thread == main and not e.name.startswith("ProfilerStep")]
     comm_calls = [(e.time_range.start, e.time_range.end) for e in mine if e.name.startswith("c10d::")]
-    optim = [(e.time_range.start, e.time_range.end) for e in mine if e.name.startswith("Optimizer.step#")]
+    optim = [(e.time_range.start, e.time_range.end) for e in mine if e.name == "split:optimizer"]
     ops = [(e.time_range.start, e.time_range.end) for e in mine
-           if not e.name.startswith(("c10d::", "Optimizer.", "gloo:"))]
+           if not e.name.startswith(("c10d::", "Optimizer.", "gloo:", "split:"))]
     in_flight = [(e.time_range.start, e.time_range.end) for e in events if e.thread != main
                  and e.name.startswith("gloo:")]
     kinds = [("exposed_comm", comm_calls), ("optimizer", optim), ("compute", ops), ("exposed_comm", in_flight)]
