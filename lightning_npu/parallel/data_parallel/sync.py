@@ -10,8 +10,8 @@ layout           who launches the bucket reductions            `finish()`
 ===============  ============================================  ===============================================
 zero 0, pp = 1   DDP's reducer (C++ buckets overlapped with    DDP waited inside backward; what was unfrozen
                  backward), its comm hook calls `reduce_bucket`  after DDP wrapped the model: all-reduce it
-zero 0, pp > 1   `GradientBuckets` (all-reduce), from each     launch the rest, wait, average into `.grad`
-                 stage's last backward in the schedule
+zero 0, pp > 1   `GradientBuckets` (all-reduce), from each     launch the rest, wait, average (in place:
+                 stage's last backward in the schedule         fp32 `.grad` is a view of its bucket, `hold`)
 zero 1           `GradientBuckets` (reduce-scatter), from      launch the rest, wait, average; the optimizer
                  post-accumulate-grad hooks (pp = 1), or each  steps the reduced slices
                  stage's last backward (pp > 1)
@@ -240,6 +240,11 @@ class GradientBuckets:
     go in ``replicated`` buckets, all-reduced and kept whole on every rank, as DDP keeps them. With ``overlap`` a
     bucket launches from post-accumulate-grad hooks as soon as its last gradient is ready; otherwise `finish`
     launches them all.
+
+    Under pipeline parallelism (no hooks: `params_ready` launches, from each stage's last backward) the runner
+    lets a schedule write into the in-place buffers (`hold`, when zero_grad follows it) or adds its gradients to
+    them afterwards (`take`); zero 0's buckets are in place there on every backend (``inplace=True``: an all-reduce
+    needs no rank-major layout).
 
     Two ways to reduce a sharded bucket, the fastest per backend (``inplace=None`` picks):
 
