@@ -24,6 +24,9 @@ class _Overlap(L.Callback):
         self.in_flight: list[int] = []
         self.times: list[float] = []
         self.in_buffer: list[float] = []  # per step: the fraction of gradients that are views of a bucket buffer
+        self.copied = 0  # bytes the gradient sync copied over the run
+        self._counting_now = False
+        self.grad_bytes = 0  # this rank's fp32 gradient bytes in the buckets
         self._t = 0.0
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -34,6 +37,27 @@ class _Overlap(L.Callback):
         if not self.enabled:
             runner.grad_listeners = []
         self.buckets = list(runner.grad_buffers)  # the `GradientBuckets` (the listeners are their `params_ready`)
+        self.grad_bytes = 4 * sum(p.numel() for gb in self.buckets for p in gb.params)
+        for gb in self.buckets:  # count what the gradient sync copies (its launches, the finish, `take`)
+            for name in ("_launch", "finish", "take"):
+                setattr(gb, name, self._counting(getattr(gb, name)))
+
+    def _counting(self, method: Any) -> Any:
+        from tests.test_pp_inplace_buckets import CopiedBytes
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._counting_now:  # `finish` launches: counted once, by the outer call
+                return method(*args, **kwargs)
+            self._counting_now = True
+            try:
+                with CopiedBytes() as counter:
+                    out = method(*args, **kwargs)
+            finally:
+                self._counting_now = False
+            self.copied += counter.bytes
+            return out
+
+        return counted
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t = time.perf_counter()
@@ -65,6 +89,7 @@ def train_overlap(runs: list[dict[str, Any]], steps: int, model_kwargs: dict[str
         trainer, data = parity_trainer(strategy, model, devices, 8, steps, [rec, overlap], num_sanity_val_steps=0,
                                        **run.get("trainer", {}))
         trainer.fit(model, datamodule=data)
-        out.append({"logged": rec.logged, "in_flight": overlap.in_flight, "in_buffer": overlap.in_buffer, "times": overlap.times,
+        out.append({"logged": rec.logged, "in_flight": overlap.in_flight, "in_buffer": overlap.in_buffer,
+                    "copied_per_step": overlap.copied / steps, "grad_bytes": overlap.grad_bytes, "times": overlap.times,
                     "state": {k: v.detach().clone() for k, v in model.state_dict().items()}})
     return out

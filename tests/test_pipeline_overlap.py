@@ -41,3 +41,12 @@ def test_pp2_dp2_zero01_reduce_inside_the_schedule():
         # fp32 on gloo: every gradient after backward is a view of its bucket's buffer (reduced in place, no copy)
         for run in rank:
             assert run["in_buffer"] and all(f == 1.0 for f in run["in_buffer"]), run["in_buffer"]
+        # bytes the gradient sync copies per step: zero 0 none, zero 1 only the other rank's rows (the all-to-all's
+        # send buffer, half the gradients at dp=2); accumulating, each micro-step's gradients added into the buffer
+        half = rank[0]["grad_bytes"] / 2
+        assert z0["copied_per_step"] == z0_after["copied_per_step"] == 0
+        assert z1["copied_per_step"] == z1_after["copied_per_step"] <= half * 1.01, (z1["copied_per_step"], half)
+        assert 0 < acc["copied_per_step"] <= 2 * half  # the first micro-step's gradients copied into the zeroed buffer
+        print(f"copied per step (bytes, of {2 * half:.0f} gradient bytes): zero0 {z0['copied_per_step']:.0f}, "
+              f"zero1 {z1['copied_per_step']:.0f}, zero0 accumulating {acc['copied_per_step']:.0f}, "
+              f"zero1 accumulating {acc1['copied_per_step']:.0f}")
