@@ -463,7 +463,8 @@ def main() -> None:
         "tp2_over_model_parallel_cpu": ratio("tp2", "model_parallel", "tokens_per_cpu_s"),
         "efficiency": {arm: r["weak_scaling_efficiency"] for arm, r in results.items()},
     }
-    payload = {"benchmark": "scaling", "model": MODEL, "profiled": args.profile, "per_rank_batch": PER_RANK_BATCH, "precision": "32-true",
+    payload = {"benchmark": "scaling", "model": MODEL, "profiled": args.profile, "per_rank_batch": PER_RANK_BATCH,
+               "precision": "32-true",
                "optimizer": "AdamW", "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                "environment": env, "load_after": load_average(),
                "wall_s": time.time() - started, "results": results, "summary": summary}

@@ -67,7 +67,8 @@ class _Overlap(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # after backward: each gradient (zero 1: its local dp slice) is a view of its bucket's in-place buffer
-        storages = {b.flat.untyped_storage().data_ptr() for gb in self.buckets for b in gb.buckets if b.flat is not None}
+        storages = {b.flat.untyped_storage().data_ptr() for gb in self.buckets for b in gb.buckets
+                    if b.flat is not None}
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         self.in_buffer.append(sum(getattr(g, "_local_tensor", g).untyped_storage().data_ptr() in storages
                                   for g in grads) / max(1, len(grads)))

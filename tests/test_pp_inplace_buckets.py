@@ -108,7 +108,8 @@ def test_pipelined_inplace_buckets_reduce_without_copies():
                 if shard:
                     chunk = -(-want.shape[0] // 2)
                     want = want[rank * chunk: (rank + 1) * chunk]
-                torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{shard, inplace, held} {i}: {m}")
+                torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"{shard, inplace, held} {i}: {m}")
             if not inplace:
                 # the old path: every gradient copied into a rank-major send buffer, and (zero 0) back into `.grad`
                 assert got["copied"] >= got["grad_bytes"] * (1 if shard else 2)
