@@ -2,6 +2,7 @@
 
     python benchmarks/scaling.py [--steps 6] [--warmup 2] [--repeats 3] [--arms ddp zero1 ...]
     python benchmarks/scaling.py --collectives      # gloo: all-reduce vs reduce-scatter vs all-gather, per size
+    python benchmarks/scaling.py --profile          # also each step's split from torch.profiler
 
 Each repeat is one launch of 2 processes (gloo) running every 2-process arm one after the other, the arms' order
 rotating each repeat (a slow minute of the shared machine hits every arm alike), and a 1-process launch, before or
@@ -21,8 +22,12 @@ ZeRO-1's choices have benchmark-only arms (`VARIANTS`: ``zero1_allreduce``, ``ze
 - ``split_ms``: ``optimizer`` (median wall time from ``on_before_optimizer_step`` to the step's end),
   ``compute`` (the 1-process arm's forward + backward, same per-rank batch, nothing to wait for) and
   ``exposed_comm`` (this arm's forward + backward, slowest rank, minus that: every wait on communication the
-  step does not hide: DDP's, ZeRO's bucket reductions, the overlapped parameter all-gather). Timers, not
-  torch.profiler: profiling a 2-process gloo run crashed torch 2.13 (SIGSEGV) here.
+  step does not hide: DDP's, ZeRO's bucket reductions, the overlapped parameter all-gather), from timers.
+- ``profile_split_ms`` (``--profile``): the same split from torch.profiler's events on every rank (`split_steps`:
+  CPU activity only, no stacks/shapes/memory, a schedule over the timed steps; this configuration runs on 2 gloo
+  processes), median over steps and ranks: ``compute``, ``exposed_comm`` (in a ``c10d::`` call, or waiting while a
+  ``gloo:`` collective runs), ``optimizer``, ``other`` (Python between ops), ``step``. The profiler slows the
+  steps: compare the step times of profiled runs only with each other.
 
 The machine is shared: the load average is recorded before and after (``environment.load_average`` and
 ``load_after``). Writes benchmarks/results/scaling.json.
@@ -111,7 +116,103 @@ class Recorder(L.Callback):
             self.optimizer.append(t - self._t1)
 
 
-def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
+class ProfileSplit(L.Callback):
+    """``--profile``: torch.profiler over the timed steps (CPU activity only: no stacks, shapes or memory, a schedule
+    skipping `warmup` steps), and from its events each step's split of the main thread's time (`split_step`)."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
+        self.split: list[dict[str, float]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False,
+                            profile_memory=False, acc_events=True,
+                            schedule=schedule(wait=0, warmup=self.warmup, active=self.steps, repeat=1))
+        self.prof.__enter__()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # the optimizer's part of the step, as the timers take it: Lightning runs forward and backward as a closure
+        # inside ``optimizer.step`` (torch's ``Optimizer.step#`` range holds them under "ddp")
+        self._range = torch.autograd.profiler.record_function("split:optimizer")
+        self._range.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if getattr(self, "_range", None) is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if trainer.global_step < self.warmup + self.steps:
+            self.prof.step()
+            return
+        # the last step: stop while no collective is in flight. ZeRO-1's parameter all-gather, launched under the
+        # profiler and waited after it stopped (fit's end), crashed the process (SIGSEGV in the wait)
+        for opt in trainer.strategy.optimizers:
+            getattr(opt, "wait_parameters", lambda: None)()
+        self.prof.step()
+        self.prof.__exit__(None, None, None)
+        self.split = split_steps(self.prof.events())
+
+
+def split_steps(events: Any) -> list[dict[str, float]]:
+    """Each profiled step (a ``ProfilerStep`` range) of the main thread (the one running the steps), in ms, by what
+    the main thread is doing at each instant, first match wins:
+
+    - ``exposed_comm``: inside a ``c10d::`` call (a blocking collective, or launching an async one), or between
+      ops while a ``gloo:`` collective runs on gloo's threads (the main thread waits for it: DDP's reducer, a
+      bucket's ``wait``, the all-gather's pre-forward hook);
+    - ``optimizer``: from ``on_before_optimizer_step`` to the step's end (a ``split:optimizer`` range: the
+      optimizer step, ZeRO-1's parameter all-gather launch; torch's ``Optimizer.step#`` range holds Lightning's
+      closure, forward and backward included);
+    - ``compute``: inside any other op (``aten::``, autograd nodes): forward and backward;
+    - ``other``: none of these (Python and Lightning between ops, with no collective in flight).
+    """
+    steps = [e for e in events if e.name.startswith("ProfilerStep")]
+    if not steps:
+        return []
+    main = steps[0].thread
+    mine = [e for e in events if e.thread == main and not e.name.startswith("ProfilerStep")]
+    comm_calls = [(e.time_range.start, e.time_range.end) for e in mine if e.name.startswith("c10d::")]
+    optim = [(e.time_range.start, e.time_range.end) for e in mine if e.name == "split:optimizer"]
+    ops = [(e.time_range.start, e.time_range.end) for e in mine
+           if not e.name.startswith(("c10d::", "Optimizer.", "gloo:", "split:"))]
+    in_flight = [(e.time_range.start, e.time_range.end) for e in events if e.thread != main
+                 and e.name.startswith("gloo:")]
+    kinds = [("exposed_comm", comm_calls), ("optimizer", optim), ("compute", ops), ("exposed_comm", in_flight)]
+    out = []
+    for step in steps:
+        lo, hi = step.time_range.start, step.time_range.end
+        points = sorted({lo, hi} | {t for _, spans in kinds for a, b in spans for t in (a, b) if lo < t < hi})
+        split = dict.fromkeys(("compute", "exposed_comm", "optimizer", "other"), 0.0)
+        covered = [(kind, _union([(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]))
+                   for kind, spans in kinds]
+        for a, b in zip(points, points[1:]):
+            mid = (a + b) / 2
+            kind = next((k for k, spans in covered if _inside(spans, mid)), "other")
+            split[kind] += (b - a) / 1e3  # us -> ms
+        split["step"] = (hi - lo) / 1e3
+        out.append(split)
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _inside(spans: list[tuple[float, float]], t: float) -> bool:
+    import bisect
+
+    i = bisect.bisect_right(spans, (t, float("inf"))) - 1
+    return i >= 0 and spans[i][0] <= t < spans[i][1]
+
+
+def _arm(name: str, steps: int, warmup: int, profile: bool = False) -> dict[str, Any]:
     from examples.gpt.data import TextDataModule
     from examples.gpt.model import GPTModule
     from lightning_npu import NPUHybridStrategy
@@ -140,23 +241,26 @@ def _arm(name: str, steps: int, warmup: int) -> dict[str, Any]:
     else:  # "single": one process
         strategy = NPUHybridStrategy()
     recorder = Recorder(warmup)
+    profiler = ProfileSplit(warmup, steps) if profile else None
     data = TextDataModule(block_size=MODEL["block_size"], batch_size=PER_RANK_BATCH, shuffle=False)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
                         max_steps=warmup + steps, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[recorder] + ([_NoDeferredGather()] if name == "zero1_no_overlap" else []))
+                        callbacks=[recorder] + ([_NoDeferredGather()] if name == "zero1_no_overlap" else [])
+                        + ([profiler] if profiler is not None else []))
     trainer.fit(model, datamodule=data)
     return {"wall": recorder.wall, "cpu": recorder.cpu, "fwd_bwd": recorder.fwd_bwd, "optimizer": recorder.optimizer,
-            "loss": float(trainer.callback_metrics["train_loss"])}
+            "loss": float(trainer.callback_metrics["train_loss"]),
+            "profile": profiler.split if profiler is not None else []}
 
 
-def _worker(arms: list[str], repeat: int, steps: int, warmup: int) -> dict[str, Any]:
+def _worker(arms: list[str], repeat: int, steps: int, warmup: int, profile: bool = False) -> dict[str, Any]:
     """Every arm once, in an order rotated by `repeat` (and reversed every other repeat)."""
     os.environ["LNPU_BENCH_WORLD"] = os.environ["WORLD_SIZE"]
     out: dict[str, list[dict]] = {a: [] for a in arms}
     order = arms[repeat % len(arms):] + arms[: repeat % len(arms)]
     for arm in (order if repeat % 2 == 0 else order[::-1]):
-        out[arm].append(_arm(arm, steps, warmup))
+        out[arm].append(_arm(arm, steps, warmup, profile))
     return {"runs": out}
 
 
@@ -287,6 +391,8 @@ def main() -> None:
     parser.add_argument("--collectives", action="store_true", help="only time gloo's collectives")
     parser.add_argument("--iters", type=int, default=15, help="--collectives: timed iterations per op and size")
     parser.add_argument("--out", default="scaling.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split each step from torch.profiler's events (`profile_split_ms`; slows the steps)")
     args = parser.parse_args()
 
     if args.collectives:
@@ -306,8 +412,10 @@ def main() -> None:
     env = environment()
     singles, twos = [], []
     for r in range(args.repeats):  # the 1-process baseline alternates with the 2-process launches too
-        launches = [lambda: singles.append(spawn(_worker, 1, ["single"], r, args.steps, args.warmup, threads=1)),
-                    lambda: twos.append(spawn(_worker, 2, args.arms, r, args.steps, args.warmup, threads=1))]
+        launches = [lambda: singles.append(spawn(_worker, 1, ["single"], r, args.steps, args.warmup, args.profile,
+                                                 threads=1)),
+                    lambda: twos.append(spawn(_worker, 2, args.arms, r, args.steps, args.warmup, args.profile,
+                                              threads=1))]
         for launch in (launches if r % 2 == 0 else launches[::-1]):
             launch()
     single, two = _merge(singles)[0], _merge(twos)
@@ -323,7 +431,9 @@ def main() -> None:
             optim += [max(ts) for ts in zip(*(p["optimizer"] for p in per_rank))]
         step, cpu = _median(walls), _median(cpus)
         tps = tokens * global_batch_ranks / step
-        return {"step_ms": 1e3 * step, "cpu_ms": 1e3 * cpu, "tokens_per_s": tps, "tokens_per_cpu_s":
+        profiled = [split for r in ranks for run in r["runs"][arm] for split in run.get("profile", [])]
+        extra = {"profile_split_ms": {k: _median([p[k] for p in profiled]) for k in profiled[0]}} if profiled else {}
+        return {**extra, "step_ms": 1e3 * step, "cpu_ms": 1e3 * cpu, "tokens_per_s": tps, "tokens_per_cpu_s":
                 tokens * global_batch_ranks / cpu, "timed_steps": len(walls), "world": world,
                 "forward_backward_ms": 1e3 * _median(fwd_bwd), "optimizer_ms": 1e3 * _median(optim),
                 "final_loss": ranks[0]["runs"][arm][-1]["loss"]}
@@ -353,7 +463,8 @@ def main() -> None:
         "tp2_over_model_parallel_cpu": ratio("tp2", "model_parallel", "tokens_per_cpu_s"),
         "efficiency": {arm: r["weak_scaling_efficiency"] for arm, r in results.items()},
     }
-    payload = {"benchmark": "scaling", "model": MODEL, "per_rank_batch": PER_RANK_BATCH, "precision": "32-true",
+    payload = {"benchmark": "scaling", "model": MODEL, "profiled": args.profile, "per_rank_batch": PER_RANK_BATCH,
+               "precision": "32-true",
                "optimizer": "AdamW", "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                "environment": env, "load_after": load_average(),
                "wall_s": time.time() - started, "results": results, "summary": summary}
@@ -361,9 +472,10 @@ def main() -> None:
     print(f"load before {env.get('load_average_1_5_15min')} after {payload['load_after']}, {payload['wall_s']:.0f} s")
     print(f"{'arm':16s} {'step ms':>8s} {'cpu ms':>7s} {'tok/s':>7s} {'eff':>5s}  split ms (compute/optimizer/exposed comm)")
     for arm, r in results.items():
-        s = r["split_ms"]
+        s = r.get("profile_split_ms", r["split_ms"])  # the profiler's where it ran
         print(f"{arm:16s} {r['step_ms']:8.1f} {r['cpu_ms']:7.1f} {r['tokens_per_s']:7.0f} "
-              f"{r['weak_scaling_efficiency']:5.3f}  {s['compute']:.0f}/{s['optimizer']:.0f}/{s['exposed_comm']:.0f}")
+              f"{r['weak_scaling_efficiency']:5.3f}  {s['compute']:.0f}/{s['optimizer']:.0f}/{s['exposed_comm']:.0f}"
+              + (f" (other {s['other']:.0f}, profiler)" if "other" in s else ""))
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in summary.items() if k != "efficiency"})
     print(f"wrote {path}")
 

@@ -805,6 +805,7 @@ class NPUHybridStrategy(DDPStrategy):
         checkpoint saved after fit holds it)."""
         for opt in self._distributed_optimizers():
             opt.grad_buckets.remove_hooks()
+        self._grad_sync.release()
         compressor = self._grad_sync.compressor
         self._grad_sync = GradientSync()
         self._grad_sync.compressor = compressor

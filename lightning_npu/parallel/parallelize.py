@@ -267,9 +267,12 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
             return model, gs.GradientSync()
         experts = {id(p) for n, p in model.named_parameters() if n in set(expert_names or ())}
         stage_params = [p for p in pipeline.stage_parameters() if id(p) not in experts]  # `ExpertGradientSync`'s
-        buckets = gs.GradientBuckets(stage_params, dp_mesh, cfg.bucket_size_mb, shard=False,
-                                     overlap=False, compressor=compressor, hierarchy=hierarchy)  # the schedule runs backward per micro-batch
-        pipeline.grad_listeners = [buckets.params_ready]  # so reduce per stage, after its last micro-batch backward
+        # the schedule runs backward per micro-batch, so no hooks: each stage's buckets reduce after its last
+        # micro-batch backward; fp32 gradients accumulate in the buckets' buffers, all-reduced in place (no copy)
+        buckets = gs.GradientBuckets(stage_params, dp_mesh, cfg.bucket_size_mb, shard=False, overlap=False,
+                                     compressor=compressor, hierarchy=hierarchy, inplace=compressor is None)
+        pipeline.grad_listeners = [buckets.params_ready]
+        pipeline.grad_buffers = [buckets]
         return model, gs.BucketedGradientSync(buckets)
     if cfg.replicas == 1 and compressor is None:
         # one replica: nothing to reduce, so no DDP wrapper, which would refuse what one device allows (a fully

@@ -376,6 +376,9 @@ class BranchGradientSync(GradientSync):
     def bind(self, optimizers: list[Any], pipeline: Any = None) -> None:
         self.inner.bind(optimizers, pipeline)
 
+    def release(self) -> None:
+        self.inner.release()
+
     def finish(self) -> None:
         self.inner.finish()
         if not self.from_hooks:

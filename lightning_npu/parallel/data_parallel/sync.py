@@ -10,8 +10,8 @@ layout           who launches the bucket reductions            `finish()`
 ===============  ============================================  ===============================================
 zero 0, pp = 1   DDP's reducer (C++ buckets overlapped with    DDP waited inside backward; what was unfrozen
                  backward), its comm hook calls `reduce_bucket`  after DDP wrapped the model: all-reduce it
-zero 0, pp > 1   `GradientBuckets` (all-reduce), from each     launch the rest, wait, average into `.grad`
-                 stage's last backward in the schedule
+zero 0, pp > 1   `GradientBuckets` (all-reduce), from each     launch the rest, wait, average (in place:
+                 stage's last backward in the schedule         fp32 `.grad` is a view of its bucket, `hold`)
 zero 1           `GradientBuckets` (reduce-scatter), from      launch the rest, wait, average; the optimizer
                  post-accumulate-grad hooks (pp = 1), or each  steps the reduced slices
                  stage's last backward (pp > 1)
@@ -129,6 +129,7 @@ class _Bucket:
         self.out: Optional[torch.Tensor] = None
         self.had_grad: list[bool] = []
         self.touched = False  # an in-place bucket a backward added to since the last sync
+        self.held = False  # an in-place bucket a pipeline schedule writes into before zero_grad (`hold`)
         self.rank = rank
         self.peer_plan: Optional[list[tuple[int, list[torch.Tensor], list[tuple[int, int]]]]] = None  # all-to-all
         self.recv: Optional[torch.Tensor] = None
@@ -220,6 +221,16 @@ class _Bucket:
         return self.flat[start : start + s.rows * s.row_numel].view(shape)
 
 
+class _Received:
+    """ids of the parameters autograd gave a gradient (a post-accumulate-grad hook; a plain set cannot be one)."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+
+    def add_param(self, param: torch.Tensor) -> None:
+        self.ids.add(id(param))
+
+
 class GradientBuckets:
     """Gradients of `params` in fp32 buckets of `bucket_size_mb`, reduced over a dp group bucket by bucket.
 
@@ -229,6 +240,11 @@ class GradientBuckets:
     go in ``replicated`` buckets, all-reduced and kept whole on every rank, as DDP keeps them. With ``overlap`` a
     bucket launches from post-accumulate-grad hooks as soon as its last gradient is ready; otherwise `finish`
     launches them all.
+
+    Under pipeline parallelism (no hooks: `params_ready` launches, from each stage's last backward) the runner
+    lets a schedule write into the in-place buffers (`hold`, when zero_grad follows it) or adds its gradients to
+    them afterwards (`take`); zero 0's buckets are in place there on every backend (``inplace=True``: an all-reduce
+    needs no rank-major layout).
 
     Two ways to reduce a sharded bucket, the fastest per backend (``inplace=None`` picks):
 
@@ -262,14 +278,15 @@ class GradientBuckets:
         self.shard = shard
         self.bucket_size_mb = bucket_size_mb
         self.overlap = overlap
-        if inplace is None:  # hooks land gradients in the buffer; compression packs its own buckets
-            inplace = shard and overlap and compressor is None and dist.get_backend(self.group) == "gloo"
+        if inplace is None:  # compression packs its own buckets; NCCL/HCCL reduce-scatter from a rank-major copy
+            inplace = shard and compressor is None and dist.get_backend(self.group) == "gloo"
         self.inplace = inplace
         self.params: list[nn.Parameter] = []
         self.buckets: list[_Bucket] = []
         self.slice_of: dict[int, tuple[_Bucket, _Slice]] = {}
         self.enabled = True
         self._hooks: list[Any] = []
+        self._got = _Received()
         self.add(params)
 
     def add(self, params: list[nn.Parameter], mesh: Optional[DeviceMesh] = None,
@@ -308,6 +325,9 @@ class GradientBuckets:
         self.slice_of.update({id(s.param): (b, s) for b in new for s in b.slices})
         if self.overlap:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params if p.requires_grad]
+        elif any(b.flat is not None for b in new):  # pipelined: which parameters a held schedule gave a gradient
+            self._hooks += [p.register_post_accumulate_grad_hook(self._got.add_param) for b in new if b.flat is not None
+                            for p in b.params if p.requires_grad]
         return new
 
     def remove_hooks(self) -> None:
@@ -373,10 +393,12 @@ class GradientBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.flat is not None:  # the gradients are already in the buffer: all-to-all (or all-reduce) in place
+            self._adopt(bucket)
             bucket.out = bucket.flat
             peers = bucket.launch_all_to_all() if bucket.peer_plan is not None else None
             bucket.send = None if peers is None else peers[0]  # alive until the work is done
-            bucket.work = reduce_bucket(bucket.flat, bucket.group, peers=peers)
+            bucket.work = reduce_bucket(bucket.flat, bucket.group, peers=peers,
+                                        hierarchy=self.hierarchy if peers is None else None)
             bucket.launched = True
             return
         bucket.had_grad = [p.grad is not None for p in bucket.params]
@@ -399,6 +421,79 @@ class GradientBuckets:
             bucket.work = reduce_bucket(bucket.send, bucket.group, hierarchy=self.hierarchy,
                                         **self._compression(bucket))
         bucket.launched = True
+
+    @staticmethod
+    @torch.no_grad()
+    def _adopt(bucket: _Bucket) -> None:
+        """Before an in-place reduction: a ``.grad`` that is not the buffer's view (set by user code, or made by
+        autograd from None where no hook re-attached the view: the pipeline's buckets) is copied into it."""
+        for s in bucket.slices:
+            g, view = s.param.grad, bucket.full_view(s)
+            if g is None or g is view or isinstance(g, DTensor) or g.shape != view.shape:
+                continue
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            s.param.grad = view
+
+    # ---- pipeline parallelism: a schedule's gradients into the in-place buffers -------------------------
+    @torch.no_grad()
+    def hold(self, params: list[torch.Tensor]) -> set[int]:
+        """A pipeline schedule whose backward ``zero_grad`` will follow (Lightning's order: training_step, which runs
+        the schedule, then zero_grad, then backward) writes its gradients straight into the in-place buffers of
+        `params`: they are zeroed now (what zero_grad would have done), ``.grad`` is their view, and the buckets are
+        held: ``zero_grad`` leaves them alone until `take` hands them back. Returns the ids of those parameters."""
+        ids = {id(p) for p in params}
+        held: set[int] = set()
+        for bucket in self.buckets:
+            if bucket.flat is None or bucket.launched or not all(id(p) in ids for p in bucket.params):
+                continue
+            bucket.flat.zero_()
+            bucket.pending, bucket.held, bucket.touched = False, True, True
+            self._got.ids.difference_update(id(p) for p in bucket.params)
+            for s in bucket.slices:
+                if s.param.requires_grad:
+                    s.param.grad = bucket.full_view(s)
+                    held.add(id(s.param))
+        return held
+
+    @torch.no_grad()
+    def take(self, params: list[torch.Tensor], grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """A schedule's gradients (`grads`, of `params`) into the in-place buffers: a held bucket has them already;
+        otherwise each is added to the buffer view (the window's running sum, or copied where ``.grad`` was None:
+        zero_grad dropped it). Returns `grads` with None for those handled here."""
+        out = list(grads)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            entry = self.slice_of.get(id(p))
+            if entry is None or entry[0].flat is None or not p.requires_grad:
+                continue
+            bucket, s = entry
+            view = bucket.full_view(s)
+            bucket.rescale_pending()
+            current = p.grad
+            if bucket.held:
+                if g is not None and g is not view:  # autograd did not add into the view (a hook replaced it)
+                    view.add_(g)
+                elif id(p) not in self._got.ids:  # unused in this step's forward: no gradient, as autograd leaves it
+                    p.grad = None
+                    out[i] = None
+                    continue
+            elif g is None:
+                if current is None:
+                    view.zero_()  # no gradient this step: the reduction sums zeros, ``.grad`` stays None
+                    out[i] = None
+                    continue
+            elif current is view:
+                view.add_(g)
+            elif current is None or isinstance(current, DTensor) or current.shape != view.shape:
+                view.copy_(g)
+            else:  # a plain ``.grad`` someone set: the schedule's gradient is added to it, as autograd would
+                torch.add(current, g, out=view)
+            p.grad = view
+            bucket.touched = True
+            out[i] = None
+        for bucket in self.buckets:
+            bucket.held = False
+        return out
 
     def _compression(self, bucket: _Bucket) -> dict[str, Any]:
         if self.compressor is None or bucket.spec is None:
@@ -447,6 +542,8 @@ class GradientBuckets:
         """zero_grad: the next sync overwrites the reduced slices instead of adding to them; in-place buffers are
         zeroed (their views come back as ``.grad`` before the next backward, `attach_views`)."""
         for bucket in self.buckets:
+            if bucket.held:  # a pipeline schedule's gradients, already in the buffer (`hold`): zeroed before it
+                continue
             bucket.pending = False
             if bucket.flat is not None:
                 bucket.flat.zero_()
@@ -516,6 +613,9 @@ class GradientSync:
 
     def bind(self, optimizers: list[Any], pipeline: Any = None) -> None:
         """The optimizers exist (Lightning's `setup_optimizers`): a layout whose buckets live in them binds here."""
+
+    def release(self) -> None:
+        """Fit's end: remove the hooks this layout put on the parameters (a later fit makes its own)."""
 
 
 class DDPGradientSync(GradientSync):
@@ -627,6 +727,9 @@ class BucketedGradientSync(GradientSync):
         if self.buckets.has_gradients():
             self.buckets.finish()
 
+    def release(self) -> None:
+        self.buckets.remove_hooks()
+
 
 class DistributedOptimizerSync(GradientSync):
     """zero 1: each `DistributedOptimizer`'s buckets reduce-scatter its parameters' gradients (bound to the
@@ -640,6 +743,7 @@ class DistributedOptimizerSync(GradientSync):
         self.optimizers = list(optimizers)
         if pipeline is not None:  # each stage's slices reduce-scatter after its last micro-batch's backward
             pipeline.grad_listeners = [opt.grad_buckets.params_ready for opt in self.optimizers]
+            pipeline.grad_buffers = [opt.grad_buckets for opt in self.optimizers]
 
     def _communicate(self, enabled: bool) -> None:
         for opt in self.optimizers:

@@ -191,6 +191,9 @@ class ExpertGradientSync(GradientSync):
     def bind(self, optimizers: list[Any], pipeline: Any = None) -> None:
         self.inner.bind(optimizers, pipeline)
 
+    def release(self) -> None:
+        self.inner.release()
+
     @torch.no_grad()
     def finish(self) -> None:
         self.inner.finish()

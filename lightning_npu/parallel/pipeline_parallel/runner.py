@@ -265,6 +265,8 @@ class PipelineRunner:
         self._sharded_params: Optional[list[torch.Tensor]] = None
         # ZeRO 0/1: called with a stage's parameters once its last backward is done (`GradientBuckets.params_ready`)
         self.grad_listeners: list[Callable[[list[torch.Tensor]], None]] = []
+        # ZeRO 0/1 on in-place buckets (`GradientBuckets.hold` / `take`): the schedule's gradients land in them
+        self.grad_buffers: list[Any] = []
         self._overlap = False
 
     # -- split ------------------------------------------------------------------------------------
@@ -502,21 +504,29 @@ class PipelineRunner:
         unsharded gradients and no sharded gradient comes out of this step.
         ``overlap`` (ZeRO 0/1; the caller's promise that the gradients held aside are dropped before they are
         applied, i.e. no accumulated gradient is added to this step's): each stage's dp bucket reductions start
-        right after its last micro-batch backward, inside the schedule, instead of after it.
+        right after its last micro-batch backward, inside the schedule, instead of after it, and backward writes
+        straight into the in-place gradient buffers (`grad_buffers`), whose parameters show ``.grad = None`` until
+        `apply_gradients` (their buffer already holds this step's gradients, being reduced).
         """
         self.sync_grads = sync_grads
-        self._overlap = overlap and sync_grads and not self.plan.tied  # tied gradients are summed first
+        hold = overlap and sync_grads
+        self._overlap = hold and not self.plan.tied  # tied gradients are summed first
         params = self.stage_parameters()
         saved = [p.grad for p in params]
+        held: set[int] = set()
+        if hold:
+            for buffers in self.grad_buffers:
+                held |= buffers.hold(params)
         for p in params:
-            p.grad = None
+            if id(p) not in held:
+                p.grad = None
         try:
             loss = self._train_step(batch, loss_factor)
         finally:
             self._overlap = False
             self._pending_grads = [p.grad for p in params]
             for p, g in zip(params, saved):
-                p.grad = g
+                p.grad = None if id(p) in held else g
         return loss
 
     def apply_gradients(self) -> bool:
@@ -526,8 +536,11 @@ class PipelineRunner:
         pending, self._pending_grads = self._pending_grads, None
         if pending is None:
             return False
-        self._sum_tied_gradients(self.stage_parameters(), pending)
-        for p, g in zip(self.stage_parameters(), pending):
+        params = self.stage_parameters()
+        self._sum_tied_gradients(params, pending)
+        for buffers in self.grad_buffers:  # added into (or already in) the in-place buckets: no copy out
+            pending = buffers.take(params, pending)
+        for p, g in zip(params, pending):
             if g is None:
                 continue
             if p.grad is None:
