@@ -218,6 +218,44 @@ def test_a_branch_zero3_layout_is_the_one_that_fits():
         VISION: {"tensor_parallel_size": 2, "zero_stage": 3}, TEXT: {"tensor_parallel_size": 2, "zero_stage": 3}}
 
 
+ADAM1BIT = {"mode": "onebit", "warmup_steps": 12, "frozen_variance": True}  # tests/test_branch_layouts.py's
+
+
+def test_one_bit_adam_on_a_tower_is_costed_as_onebit_and_searched_at_zero_0_only():
+    """1-bit Adam on the text tower (``frozen_variance``): after its warm-up each rank sends its momentum in onebit's
+    payload, so a layout costs what it costs with onebit (3_060 bytes per step on the zoo CLIP, what the strategy
+    measured); the search keeps exactly onebit's layouts that the strategy builds with it (the top-level ZeRO 0
+    wherever the tower has branch dp), counts the rest as refused, and every ranked layout builds the strategy."""
+    from lightning_npu import NPUHybridStrategy
+
+    cluster = ClusterSpec(devices=2, peak_tflops=1.0, gemm_efficiency=0.5, intra_node_GBps=392.0, intra_latency_us=2.0)
+    costs = {}
+    for compression in ("onebit", ADAM1BIT):
+        layout = Layout(2, 1, 1, 0, 1, 4, branches=(BranchChoice(VISION, 2), BranchChoice(TEXT, 1, compression)))
+        costs[str(compression)] = branch_costs(_clip(ZOO, 4, compression), cluster, layout, "32-true", "adamw")
+    assert [c.to_dict() for c in costs[str(ADAM1BIT)]] == [c.to_dict() for c in costs["onebit"]]
+    assert costs[str(ADAM1BIT)][1].grad_sum_bytes == 3_060
+    assert layout.describe().endswith("text_model:tp1+onebit-adam")
+    assert layout.strategy_init_args()["branch_layouts"][TEXT]["gradient_compression"] == ADAM1BIT
+    NPUHybridStrategy(**layout.strategy_init_args())
+    with pytest.raises(PlannerError, match=r"frozen_variance=True \(1-bit Adam\) at the top-level zero_stage 1"):
+        branch_costs(_clip(ZOO, 16, ADAM1BIT), ClusterSpec(devices=4),
+                     Layout(2, 1, 2, 1, 1, 8, branches=(BranchChoice(VISION, 2), BranchChoice(TEXT, 1, ADAM1BIT))))
+
+    model, big = _clip(VIT_L14, 4096, ADAM1BIT), ClusterSpec(devices=8, device_memory_gb=4.0)
+    adam, onebit = plan(model, big), plan(_clip(VIT_L14, 4096, "onebit"), big)
+
+    def ranked(result, keep=lambda e: True):
+        return [(e.layout.describe().replace("+onebit-adam", "+onebit"), e.time.step_s) for e in result.ranked
+                if keep(e)]
+
+    buildable = lambda e: e.layout.zero_stage == 0 or e.layout.branches[1].tp == e.layout.tp  # noqa: E731
+    assert ranked(adam) == ranked(onebit, buildable) and len(ranked(adam)) < len(ranked(onebit))
+    assert adam.rejected["1-bit Adam (frozen_variance) on a tower needs the top-level zero_stage 0"] > 0
+    for e in adam.ranked:
+        NPUHybridStrategy(**e.layout.strategy_init_args())
+
+
 # ---- the ranking on CLIP-size models -------------------------------------------------------------------------------
 def _tps(estimate) -> tuple[int, int]:
     return tuple(b.tp for b in estimate.layout.branches)

@@ -310,7 +310,10 @@ class Layout:
 
 
 def _mode(compression: Any) -> str:
-    return str(compression.get("mode")) if isinstance(compression, dict) else str(compression)
+    """A branch compression's short name; 1-bit Adam (``frozen_variance``) as ``<mode>-adam``."""
+    if not isinstance(compression, dict):
+        return str(compression)
+    return str(compression.get("mode")) + ("-adam" if compression.get("frozen_variance") else "")
 
 
 # ---- a model from a LightningCLI config ------------------------------------------------------

@@ -16,6 +16,10 @@ per top-level dp rank:
   synchronous, so not overlapped;
 - the model states follow the top-level ZeRO stage (0 or 1) over the top-level dp, as the strategy holds them.
 
+1-bit Adam on a tower (its compression with ``frozen_variance``) is costed after its warm-up, as the other modes are:
+each rank's momentum in place of its gradient, the same payload of the same mode per step (the dense warm-up steps
+are left out); it needs the tower's and the top level's ZeRO 0 (the strategy refuses the rest).
+
 A tower at its own ZeRO-1 (`BranchChoice.zero_stage` 1: ZeRO-1's optimizer over fdp = top-level dp x d_i ranks)
 keeps its weights and its fp32 gradients whole until they are reduce-scattered (the gradient buffer of its buckets),
 and its fp32 masters and optimizer state are sharded over fdp (`memory.model_state_bytes`, accounting
@@ -49,7 +53,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_npu.planner.branches.model import BranchedModel, Tower, compression_spec
+from lightning_npu.planner.branches.model import BranchedModel, Tower, compression_spec, one_bit_adam
 from lightning_npu.planner.memory import (
     PRECISION_BYTES,
     StageMemory,
@@ -131,6 +135,10 @@ def tower_cost(tower: Tower, choice: BranchChoice, layout: Layout, cluster: Clus
     if zero not in (0, 1, 2, 3) or (zero and choice.compression is not None):
         raise PlannerError(f"tower {tower.glob!r} at zero_stage {zero}: the planner costs a branch zero_stage of 0, "
                            "1, 2 or 3, and 1-3 only uncompressed; pass one of those.")
+    if one_bit_adam(choice.compression) and layout.zero_stage and bdp > 1:  # (at bdp 1 nothing is sent)
+        raise PlannerError(f"tower {tower.glob!r} with frozen_variance=True (1-bit Adam) at the top-level zero_stage "
+                           f"{layout.zero_stage}: the strategy builds it at the top-level zero_stage 0 only (ZeRO "
+                           "shards the momentum it sends); pass zero_stage 0, or frozen_variance=False.")
     if zero == 1:  # ZeRO-1 over fdp: whole weights and fp32 gradient buffer, masters and state sharded
         states = model_state_bytes(params, fdp, 1, precision, optimizer, accounting="lightning-npu-gloo")
         blocks = 0.0

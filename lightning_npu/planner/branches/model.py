@@ -81,7 +81,8 @@ class BranchedModel:
 
 
 def check_compression(glob: str, value: Any) -> None:
-    """What the strategy takes on a branch (`parse_compression`) and the planner can cost: one of `MODES`."""
+    """What the strategy takes on a branch (`parse_compression`) and the planner can cost: one of `MODES`, with or
+    without ``frozen_variance`` (1-bit Adam: its momentum sent in that mode's bytes after the warm-up)."""
     if value is None:
         return
     where = f"the branch compression of {glob!r}"
@@ -89,9 +90,16 @@ def check_compression(glob: str, value: Any) -> None:
         spec = parse_compression(value)
     except (CompressionConfigError, TypeError) as err:
         raise PlannerError(f"{where}: {err}") from None
-    if isinstance(spec, dict) or spec.mode not in MODES or spec.frozen_variance:
+    if isinstance(spec, dict) or spec.mode not in MODES:
         raise PlannerError(f"{where} is {value!r}; the planner costs one of {', '.join(MODES)} on a branch (not "
-                           "powersgd, not frozen_variance, not module globs): pass one of those, or none.")
+                           "powersgd, not module globs): pass one of those, or none.")
+
+
+def one_bit_adam(value: Any) -> bool:
+    """A branch compression with ``frozen_variance`` (1-bit Adam): the strategy builds it only with the branch's and
+    the top level's zero_stage 0 (it compresses each rank's whole momentum, which ZeRO shards)."""
+    spec = parse_compression(value) if value is not None else None
+    return spec is not None and not isinstance(spec, dict) and spec.frozen_variance
 
 
 def compression_spec(value: Any) -> Any:

@@ -5,7 +5,8 @@ top-level dp x branch dp; 2/3: FSDP2 over fdp), the micro-batch size and the top
 Only what the strategy builds with `branch_layouts` is searched (`parallel.branch.spec`): no pp, ep, cp or sequence
 parallelism; a branch ZeRO of 0 to 3 (1-3 where `zero_stages` has them and fdp > 1, on an uncompressed tower: its
 compressed reduce-scatter is not costed); the top-level ZeRO 0/1 under any branch stages, 2/3 only with every tower at
-2/3 (the strategy refuses a ZeRO-0 or ZeRO-1 branch under them); no activation recomputation (untested with
+2/3 (the strategy refuses a ZeRO-0 or ZeRO-1 branch under them), and 0 only where a tower with branch dp runs 1-bit
+Adam (``frozen_variance``: the strategy refuses it beside any ZeRO); no activation recomputation (untested with
 branches). A tower's tp must divide its heads and its branch dp the micro-batch, as the strategy checks.
 """
 
@@ -15,7 +16,7 @@ from itertools import product
 from typing import Optional
 
 from lightning_npu.planner.branches.cost import branch_costs, branched_memory, branched_step_time
-from lightning_npu.planner.branches.model import BranchedModel
+from lightning_npu.planner.branches.model import BranchedModel, one_bit_adam
 from lightning_npu.planner.memory import GB
 from lightning_npu.planner.result import Estimate, Plan
 from lightning_npu.planner.spec import BranchChoice, ClusterSpec, Layout, PlannerError
@@ -81,6 +82,9 @@ def plan_branched(model: BranchedModel, cluster: ClusterSpec, *, precision: str,
                     if (zero and dp == 1) or (zero > 1 and min(zs) < 2):
                         continue  # nothing to shard at dp 1; a ZeRO-0/1 branch under a top-level ZeRO 2/3: refused
                     result.considered += 1
+                    if zero and any(one_bit_adam(tw.compression) and t < top for tw, t in zip(model.towers, tps)):
+                        result.rejected["1-bit Adam (frozen_variance) on a tower needs the top-level zero_stage 0"] += 1
+                        continue
                     choices = tuple(BranchChoice(tw.glob, t, tw.compression, z)
                                     for tw, t, z in zip(model.towers, tps, zs))
                     layout = Layout(top, 1, dp, zero, per_dp // b, b, branches=choices)
