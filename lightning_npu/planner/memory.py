@@ -220,8 +220,6 @@ def memory_by_stage(model: ModelSpec, layout: Layout, precision: str = "bf16-mix
     out = []
     for stage in range(layout.pp) if stages is None else sorted(set(stages)):
         experts = stage_expert_params(model, layout, stage)
-        if accounting == "lightning-npu-gloo" and layout.pp > 1:
-            accounting = "lightning-npu"  # pipeline stages keep the reduce-scatter buckets on gloo too
         states = model_state_bytes(stage_params(model, layout, stage) - experts, layout.replicas, layout.zero_stage,
                                    precision, optimizer, accounting=accounting)
         if experts:  # sharded by ZeRO over the ranks that hold the same experts

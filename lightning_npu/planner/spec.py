@@ -25,7 +25,8 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 VIRTUAL_STAGES = 2  # stages per rank under interleaved_1f1b (the strategy's default pipeline_layout)
 # how the optimizer and its gradients are held (memory.model_state_bytes): ours, DeepSpeed's (the ZeRO paper's)
 # or Megatron-LM's (its distributed optimizer at stage 1); "lightning-npu-gloo": ours on CPU/gloo, where ZeRO-1 keeps
-# the whole gradient in its in-place buckets (each reduce-scattered in place by one all_to_all_single)
+# the whole gradient in its in-place buckets (each reduce-scattered in place by one all_to_all_single), pipeline
+# stages included
 ACCOUNTINGS = ("lightning-npu", "lightning-npu-gloo", "paper", "deepspeed", "megatron")
 
 
