@@ -1,7 +1,8 @@
 """`lightning_npu.planner` and `lightning-npu plan`: validated on published runs (the ZeRO paper's table, Narayanan
 et al. 2021 Table 1, Llama 3 405B, BLOOM 176B, Megatron-Turing NLG 530B, MosaicML's MPT benchmarks, torchtitan's Llama
 3.1 on H100, Pangu Ultra 135B on Ascend; sources in docs/planning.md), the bytes our own ranks hold (one 4-process
-launch, four layouts), and `--calibrate` on measured CPU runs (one of them held out)."""
+launch, four layouts), and `--calibrate` on measured CPU runs (one of them held out) and per software stack on the
+published runs (each held out, predicted from its siblings)."""
 
 from __future__ import annotations
 
@@ -407,8 +408,8 @@ def _stacks() -> dict[str, list[_Run]]:
         out["Megatron-LM, A100"].append(_Run(f"{billions}B", model, ClusterSpec(devices=gpus, **A100), layout, tflops,
                                              per_device(gpus), megatron))
     bloom_cluster = ClusterSpec(devices=384, inter_node_Gbps=50, **{k: A100[k] for k in A100 if k != "inter_node_Gbps"})
-    out["DeepSpeed + Megatron, A100"].append(_Run("BLOOM 176B", BLOOM, bloom_cluster, Layout(4, 12, 8, 1, 128, 2, "full"),
-                                                  150, per_device(384), deepspeed))
+    out["DeepSpeed + Megatron, A100"].append(_Run("BLOOM 176B", BLOOM, bloom_cluster,
+                                                  Layout(4, 12, 8, 1, 128, 2, "full"), 150, per_device(384), deepspeed))
     mtnlg = ModelSpec(layers=105, hidden=20480, heads=128, vocab=51200, seq=2048, global_batch=1920, bias=True,
                       tied_embeddings=True, learned_positions=True, attention="eager")
     for gpus, tflops in [(2240, 126), (2800, 121), (3360, 113)]:
