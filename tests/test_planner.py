@@ -1,13 +1,16 @@
 """`lightning_npu.planner` and `lightning-npu plan`: validated on published runs (the ZeRO paper's table, Narayanan
 et al. 2021 Table 1, Llama 3 405B, BLOOM 176B, Megatron-Turing NLG 530B, MosaicML's MPT benchmarks, torchtitan's Llama
 3.1 on H100, Pangu Ultra 135B on Ascend; sources in docs/planning.md), the bytes our own ranks hold (one 4-process
-launch, four layouts), and `--calibrate` on measured CPU runs (one of them held out)."""
+launch, four layouts), and `--calibrate` on measured CPU runs (one of them held out) and per software stack on the
+published runs (each held out, predicted from its siblings)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,6 +27,7 @@ from lightning_npu.planner import (
 )
 from lightning_npu.planner.cli import main as plan_main
 from lightning_npu.planner.search import distinct_shapes
+from lightning_npu.planner.timing import StepTime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -353,6 +357,135 @@ def test_torchtitan_llama31_8b_fsdp_on_8_h100(peak, want):
                              lambda s: 16 * 8192 / s.step_s / 8, precision="bf16-mixed", accounting="lightning-npu",
                              zero_stages=(2, 3))
     assert ratio == pytest.approx(want, abs=0.01)
+
+
+# ---- calibrated on sibling runs: one efficiency per software stack (issue #32) -------------------------------------
+# No single gemm_efficiency fits every stack (0.37-0.71 above); --calibrate fits one. Here each published run is held
+# out in turn and predicted at the efficiency the planner's own fit (`fit_efficiency`, what --calibrate computes from
+# a measured step) gives on its siblings: the other runs of the same software on the same GPU (their median where
+# there are several; the one sibling's in a pair). Pangu Ultra has one run (its three peaks are one run): no sibling.
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """A published run as `_check_published` takes it; `search`: what its framework could run (plan()'s keywords)."""
+
+    name: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    published: float
+    rate: Callable[[StepTime], float]
+    search: dict
+
+    def fitted_efficiency(self) -> float:
+        """The efficiency --calibrate would fit to this run: its step time is what the published figure implies
+        (every figure here is a constant over the step time)."""
+        from lightning_npu.planner.calibrate import fit_efficiency
+
+        time = step_time(self.model, self.cluster, self.layout, self.search["precision"])
+        return fit_efficiency(self.model, self.cluster, self.layout, time.step_s * self.rate(time) / self.published,
+                              self.search["precision"])
+
+    def check(self, efficiency: float) -> float:
+        return _check_published(self.model, dataclasses.replace(self.cluster, gemm_efficiency=efficiency),
+                                self.layout, self.published, self.rate, **self.search)
+
+
+def _stacks() -> dict[str, list[_Run]]:
+    """The published runs above, by software stack and GPU (the same inputs as their own tests)."""
+    per_device = lambda gpus, model_flops=False: (  # noqa: E731
+        lambda s: s.model_tflops_per_device(gpus) if model_flops else s.tflops_per_device(gpus))
+    megatron = dict(precision="16-true", accounting="megatron", zero_stages=(0,), recompute=("full",),
+                    sequence_parallel=(False,), schedule="interleaved_1f1b")
+    deepspeed = dict(precision="bf16-mixed", accounting="deepspeed", zero_stages=(0, 1), recompute=("full",),
+                     sequence_parallel=(False,))
+    out: dict[str, list[_Run]] = {"Megatron-LM, A100": [], "DeepSpeed + Megatron, A100": [], "Llama 3 (Meta), H100": [],
+                                  "llm-foundry, A100": [], "llm-foundry, H100": []}
+    for billions, heads, hidden, layers, t, p, gpus, batch, tflops in NARAYANAN:
+        model = ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048, global_batch=batch,
+                          bias=True, tied_embeddings=True, learned_positions=True, attention="eager")
+        d = gpus // (t * p)
+        layout = Layout(t, p, d, 0, batch // d, 1, "full", schedule="interleaved_1f1b" if p > 1 else "1f1b")
+        out["Megatron-LM, A100"].append(_Run(f"{billions}B", model, ClusterSpec(devices=gpus, **A100), layout, tflops,
+                                             per_device(gpus), megatron))
+    bloom_cluster = ClusterSpec(devices=384, inter_node_Gbps=50, **{k: A100[k] for k in A100 if k != "inter_node_Gbps"})
+    out["DeepSpeed + Megatron, A100"].append(_Run("BLOOM 176B", BLOOM, bloom_cluster,
+                                                  Layout(4, 12, 8, 1, 128, 2, "full"), 150, per_device(384), deepspeed))
+    mtnlg = ModelSpec(layers=105, hidden=20480, heads=128, vocab=51200, seq=2048, global_batch=1920, bias=True,
+                      tied_embeddings=True, learned_positions=True, attention="eager")
+    for gpus, tflops in [(2240, 126), (2800, 121), (3360, 113)]:
+        dp = gpus // (8 * 35)
+        out["DeepSpeed + Megatron, A100"].append(_Run(f"MT-NLG x{gpus}", mtnlg, ClusterSpec(devices=gpus, **A100),
+                                                      Layout(8, 35, dp, 1, 1920 // dp, 1, "full"), tflops,
+                                                      per_device(gpus), deepspeed))
+    for gpus, dp, tflops in [(16384, 128, 400), (8192, 64, 430)]:
+        out["Llama 3 (Meta), H100"].append(_Run(
+            f"405B x{gpus}", LLAMA3_405B, ClusterSpec(devices=gpus, **H100),
+            Layout(8, 16, dp, 2, 2048 // dp, 1, "selective", True, "interleaved_1f1b", 7), tflops,
+            per_device(gpus, model_flops=True),
+            dict(precision="bf16-true", accounting="paper", zero_stages=(1, 2), schedule="interleaved_1f1b")))
+    for row in MPT:
+        name, layers, hidden, heads, gpu, gpus, mbs, accumulate, batch, checkpointing, mfu = getattr(row, "values",
+                                                                                                     (row,))[0]
+        model = ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=50368, seq=2048, global_batch=batch,
+                          bias=True, tied_embeddings=True, learned_positions=True)
+        device = dict(A100, inter_node_Gbps=200) if gpu == "a100" else dict(H100)
+        out[f"llm-foundry, {gpu.upper()}"].append(_Run(
+            f"MPT {name}", model, ClusterSpec(devices=gpus, **device),
+            Layout(1, 1, gpus, 3, accumulate, mbs, "full" if checkpointing else None), mfu / 100,
+            (lambda g, peak: lambda s: s.mfu(g, peak))(gpus, device["peak_tflops"]),
+            dict(precision="bf16-mixed", accounting="paper", zero_stages=(3,), recompute=(None, "full"),
+                 sequence_parallel=(False,), micro_batch_sizes=(mbs,))))
+    titan = dict(precision="bf16-mixed", accounting="lightning-npu", zero_stages=(2, 3))
+    for peak in (989, 835):
+        device = dict(H100, device_memory_gb=95, peak_tflops=peak)
+        out[f"torchtitan, H100 at {peak}"] = [
+            _Run("405B", dataclasses.replace(LLAMA3_405B, global_batch=32), ClusterSpec(devices=128, **device),
+                 Layout(8, 1, 16, 3, 1, 2, "full", True), 109, lambda s: 32 * 8192 / s.step_s / 128, titan),
+            _Run("8B", TT_8B, ClusterSpec(devices=8, **device), Layout(1, 1, 8, 3, 1, 2, "selective_alternate"), 5762,
+                 lambda s: 16 * 8192 / s.step_s / 8, titan)]
+    return out
+
+
+def _sibling_efficiency(runs: list[_Run], held: _Run) -> float:
+    return statistics.median(r.fitted_efficiency() for r in runs if r is not held)
+
+
+# estimated / published after calibrating on the siblings: the default's two misses (strict xfails above) among them
+CALIBRATED = {"llm-foundry, A100": {"MPT 70b": 0.84, "MPT 13b": 1.19},
+              "torchtitan, H100 at 989": {"8B": 1.13, "405B": 0.90}}
+
+
+@pytest.mark.parametrize("stack", ["Megatron-LM, A100", "DeepSpeed + Megatron, A100", "Llama 3 (Meta), H100",
+                                   "llm-foundry, A100", "llm-foundry, H100", "torchtitan, H100 at 989",
+                                   "torchtitan, H100 at 835"])
+def test_calibrated_on_its_siblings_every_published_run_is_predicted(stack):
+    """Every run of the stack held out in turn: it fits, its shape is among the top 3 and its speed within 25% at
+    the efficiency fitted on the other runs of its stack, never on itself."""
+    runs = _stacks()[stack]
+    assert len(runs) >= 2
+    ratios = {}
+    for held in runs:
+        efficiency = _sibling_efficiency(runs, held)
+        ratios[held.name] = held.check(efficiency)
+        print(f"{stack}: {held.name} at {efficiency:.3f} (fitted on its siblings): {ratios[held.name]:.3f}x")
+    for name, want in CALIBRATED.get(stack, {}).items():
+        assert ratios[name] == pytest.approx(want, abs=0.01), (name, ratios[name])
+
+
+def test_an_efficiency_calibrated_on_another_stack_misses():
+    """The bound can fail: the same GPU, another software stack. MosaicML's H100 runs at torchtitan's efficiency
+    (fitted at 989, their SXM peak) come out too slow, torchtitan's 8B at MosaicML's too fast: beyond 25%."""
+    stacks = _stacks()
+    titan, mosaic = stacks["torchtitan, H100 at 989"], stacks["llm-foundry, H100"]
+    at_titan = statistics.median(r.fitted_efficiency() for r in titan)
+    at_mosaic = statistics.median(r.fitted_efficiency() for r in mosaic)
+    misses = {}
+    for run, efficiency in [*((r, at_titan) for r in mosaic), (titan[1], at_mosaic)]:
+        time = step_time(run.model, dataclasses.replace(run.cluster, gemm_efficiency=efficiency), run.layout,
+                         run.search["precision"])
+        misses[run.name] = round(run.rate(time) / run.published, 2)
+    print(f"torchtitan's {at_titan:.3f} and MosaicML's {at_mosaic:.3f}: estimated / published {misses}")
+    assert misses["MPT 70b"] < 0.75 and misses["MPT 30b"] < 0.75 and misses["8B"] > 1.25, misses
 
 
 def test_context_parallelism_is_searched_where_the_strategy_composes_it(capsys):

@@ -122,6 +122,26 @@ def estimate(model: Any, cluster: ClusterSpec, layout: Layout, precision: str,
             memory_by_stage(model, layout, precision, optimizer, (0,))[0])
 
 
+def fit_efficiency(model: Any, cluster: ClusterSpec, layout: Layout, measured_step_s: float,
+                   precision: str = "bf16-mixed", optimizer: str = "adamw") -> float:
+    """The `gemm_efficiency` at which `layout`'s estimated step is `measured_step_s`: a step is A / efficiency + B
+    (compute scales with it, communication does not), so two evaluations give A and B. Public so that a step time
+    measured elsewhere (a published run's throughput) calibrates the same way as `--calibrate`."""
+    e0 = cluster.gemm_efficiency
+    s1 = estimate(model, cluster, layout, precision, optimizer)[0].step_s
+    s2 = estimate(model, dataclasses.replace(cluster, gemm_efficiency=e0 / 2), layout, precision, optimizer)[0].step_s
+    a = e0 * (s2 - s1)
+    b = s1 - a / e0
+    if measured_step_s <= b:
+        raise PlannerError(f"the run's step ({measured_step_s:.3g} s) is shorter than the planner's communication "
+                           f"alone ({b:.3g} s): raise --intra-node-gbps/--inter-node-gbps to this machine's.")
+    efficiency = a / (measured_step_s - b)
+    if efficiency > 1:
+        raise PlannerError(f"the run is faster than --peak-tflops {cluster.peak_tflops:g} allows (fitted efficiency "
+                           f"{efficiency:.2f} > 1): pass this device's peak.")
+    return efficiency
+
+
 def calibrate(run_dir: str | Path, cluster: ClusterSpec, optimizer: str = "adamw", skip: int = 2) -> Calibration:
     """Fit `cluster`'s efficiency and memory overhead to the run in `run_dir` (its first `skip` steps are left out:
     start-up, the pipeline's shape inference)."""
@@ -154,18 +174,8 @@ def calibrate(run_dir: str | Path, cluster: ClusterSpec, optimizer: str = "adamw
     per_step = model.global_batch * (1 if key == "samples_per_s" else model.seq)
     measured = per_step / statistics.median(timed)
     cluster = dataclasses.replace(cluster, devices=world, memory_overhead=1.0)
-    e0 = cluster.gemm_efficiency
     s1 = estimate(model, cluster, layout, precision, optimizer)[0].step_s
-    s2 = estimate(model, dataclasses.replace(cluster, gemm_efficiency=e0 / 2), layout, precision, optimizer)[0].step_s
-    a = e0 * (s2 - s1)
-    b = s1 - a / e0
-    if measured <= b:
-        raise PlannerError(f"the run's step ({measured:.3g} s) is shorter than the planner's communication alone "
-                           f"({b:.3g} s): raise --intra-node-gbps/--inter-node-gbps to this machine's.")
-    efficiency = a / (measured - b)
-    if efficiency > 1:
-        raise PlannerError(f"the run is faster than --peak-tflops {cluster.peak_tflops:g} allows (fitted efficiency "
-                           f"{efficiency:.2f} > 1): pass this device's peak.")
+    efficiency = fit_efficiency(model, cluster, layout, measured, precision, optimizer)
     fitted = dataclasses.replace(cluster, gemm_efficiency=efficiency)
     predicted, stage0 = estimate(model, fitted, layout, precision, optimizer)
     predicted = predicted.step_s
