@@ -25,7 +25,7 @@ ZeRO-1's choices have benchmark-only arms (`VARIANTS`: ``zero1_allreduce``, ``ze
   step does not hide: DDP's, ZeRO's bucket reductions, the overlapped parameter all-gather), from timers.
 - ``profile_split_ms`` (``--profile``): the same split from torch.profiler's events on every rank (`split_steps`:
   CPU activity only, no stacks/shapes/memory, a schedule over the timed steps; this configuration runs on 2 gloo
-  processes), median over steps and ranks: ``compute``, ``exposed_comm`` (in a ``c10d::`` call, or waiting while a
+  processes), median over steps and ranks: ``compute``, ``exposed_comm`` (in a ``c10d::`` or functional-collective call, or waiting while a
   ``gloo:`` collective runs), ``optimizer``, ``other`` (Python between ops), ``step``. The profiler slows the
   steps: compare the step times of profiled runs only with each other.
 
@@ -154,11 +154,17 @@ class ProfileSplit(L.Callback):
         self.split = split_steps(self.prof.events())
 
 
+# collectives as the main thread sees them: c10d's ops, and the functional collectives DTensor issues (tensor
+# parallelism's all-reduces and their ``wait_tensor``, where the main thread blocks)
+_COMM = ("c10d::", "_c10d_functional::", "c10d_functional::")
+
+
 def split_steps(events: Any) -> list[dict[str, float]]:
     """Each profiled step (a ``ProfilerStep`` range) of the main thread (the one running the steps), in ms, by what
     the main thread is doing at each instant, first match wins:
 
-    - ``exposed_comm``: inside a ``c10d::`` call (a blocking collective, or launching an async one), or between
+    - ``exposed_comm``: inside a ``c10d::`` call (a blocking collective, or launching an async one) or a functional
+      collective's (``_c10d_functional::all_reduce`` / ``wait_tensor``: DTensor's tp all-reduces), or between
       ops while a ``gloo:`` collective runs on gloo's threads (the main thread waits for it: DDP's reducer, a
       bucket's ``wait``, the all-gather's pre-forward hook);
     - ``optimizer``: from ``on_before_optimizer_step`` to the step's end (a ``split:optimizer`` range: the
@@ -172,10 +178,10 @@ def split_steps(events: Any) -> list[dict[str, float]]:
         return []
     main = steps[0].thread
     mine = [e for e in events if e.thread == main and not e.name.startswith("ProfilerStep")]
-    comm_calls = [(e.time_range.start, e.time_range.end) for e in mine if e.name.startswith("c10d::")]
+    comm_calls = [(e.time_range.start, e.time_range.end) for e in mine if e.name.startswith(_COMM)]
     optim = [(e.time_range.start, e.time_range.end) for e in mine if e.name == "split:optimizer"]
     ops = [(e.time_range.start, e.time_range.end) for e in mine
-           if not e.name.startswith(("c10d::", "Optimizer.", "gloo:", "split:"))]
+           if not e.name.startswith((*_COMM, "Optimizer.", "gloo:", "split:"))]
     in_flight = [(e.time_range.start, e.time_range.end) for e in events if e.thread != main
                  and e.name.startswith("gloo:")]
     kinds = [("exposed_comm", comm_calls), ("optimizer", optim), ("compute", ops), ("exposed_comm", in_flight)]

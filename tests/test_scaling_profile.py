@@ -30,6 +30,19 @@ def test_split_steps_classifies_the_main_thread_time():
                                    "step": 0.100})
 
 
+def test_split_steps_counts_dtensor_functional_collectives_as_communication():
+    events = [
+        _event("ProfilerStep#1", 0, 100),
+        _event("aten::mm", 0, 40),
+        _event("_c10d_functional::all_reduce", 40, 45),  # DTensor's tp all-reduce, launched
+        _event("_c10d_functional::wait_tensor", 45, 70),  # ... and waited for
+        _event("aten::mm", 70, 100),
+    ]
+    (split,) = split_steps(events)
+    assert split == pytest.approx({"compute": 0.070, "exposed_comm": 0.030, "optimizer": 0.0, "other": 0.0,
+                                   "step": 0.100})
+
+
 def test_split_steps_of_a_profiled_step():
     from torch.profiler import ProfilerActivity, profile, schedule
 
