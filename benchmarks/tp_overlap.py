@@ -11,7 +11,9 @@ step). Arms, alternated `--repeats` times in the same processes:
   every all-reduce waited at once (the segment machinery's own cost);
 - ``B`` / ``C``: the batch in 2 / 4 chunks interleaved segment by segment (DeepSpeed Domino, 2024): each chunk's
   all-reduce is issued async and waited only after the other chunks' compute of the same segment, in forward and
-  in backward.
+  in backward;
+- ``B_autograd``: B's forward, then one backward of both chunks' losses together (autograd's own order; the
+  backward all-reduces block).
 
 Reports per arm the median step (forward + backward) ms, the ms spent in `Work.wait()` / blocking all-reduces,
 the rest ("compute") and the process CPU ms (gloo's threads included), and the largest difference of the loss and
@@ -144,29 +146,38 @@ class _F(torch.autograd.Function):  # Megatron's f: identity forward, all-reduce
         return g, None
 
 
-class _G(torch.autograd.Function):  # Megatron's g: all-reduce forward, identity backward
+class _G(torch.autograd.Function):  # Megatron's g: all-reduce forward (its Work kept in `pending`), identity backward
     @staticmethod
-    def forward(ctx, x, waits):
+    def forward(ctx, x, waits, pending, async_op):
         x = x.clone()
-        waits.all_reduce(x, async_op=False)
+        pending.append(waits.all_reduce(x, async_op))
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None, None
 
 
-def step_autograd(p, x, target, waits, heads) -> torch.Tensor:
-    """One autograd graph, every all-reduce blocking (today's tp)."""
+def step_autograd(p, x, target, waits, heads, chunks: int = 1, overlap: bool = False) -> torch.Tensor:
+    """Autograd graphs, the all-reduces of backward blocking; with `chunks` the forward runs the chunks segment by
+    segment, each forward all-reduce waited only when its chunk reaches the next segment, and backward runs once
+    on the sum of the chunks' losses (the engine's own order)."""
     segs, head = stages(p, heads)
-    state = (x,)
+    state = [(xc,) for xc in x.chunk(chunks)]
+    pending = [[] for _ in range(chunks)]
     for fn, comm_in, comm_out in segs:
-        if comm_in:
-            state = (*state[:-1], _F.apply(state[-1], waits))
-        state = fn(*state)
-        if comm_out:
-            state = (*state[:-1], _G.apply(state[-1], waits))
-    loss = head(*state, target)
+        for c in range(chunks):
+            while pending[c]:
+                waits.wait(pending[c].pop())
+            if comm_in:
+                state[c] = (*state[c][:-1], _F.apply(state[c][-1], waits))
+            state[c] = fn(*state[c])
+            if comm_out:
+                state[c] = (*state[c][:-1], _G.apply(state[c][-1], waits, pending[c], overlap))
+    for c in range(chunks):
+        while pending[c]:
+            waits.wait(pending[c].pop())
+    loss = sum(head(*state[c], t) for c, t in enumerate(target.chunk(chunks)))
     loss.backward()
     return loss.detach()
 
@@ -218,6 +229,7 @@ ARMS = {
     "A": lambda *a: step_chunked(*a, chunks=1, overlap=False),
     "B": lambda *a: step_chunked(*a, chunks=2, overlap=True),
     "C": lambda *a: step_chunked(*a, chunks=4, overlap=True),
+    "B_autograd": lambda *a: step_autograd(*a, chunks=2, overlap=True),
 }
 
 
