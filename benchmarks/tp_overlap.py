@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,9 +77,9 @@ def shard(p: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Ten
     return out
 
 
-def stages(p: dict[str, torch.Tensor], heads: int) -> list[tuple]:
-    """The model as segments between all-reduces: (fn(*state) -> state, all-reduce the last input's gradient in
-    backward, all-reduce the last output in forward)."""
+def stages(p: dict[str, torch.Tensor], heads: int) -> tuple[list[tuple], Callable]:
+    """The model as segments between all-reduces, [(fn(*state) -> state, all-reduce the last input's gradient in
+    backward, all-reduce the last output in forward)], and the loss head."""
 
     def ln(x, name):
         return F.layer_norm(x, (D,), p[f"{name}.w"], p[f"{name}.b"])
@@ -305,7 +306,6 @@ def worker(repeats: int, steps: int, warmup: int) -> dict:
     return out
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -330,8 +330,9 @@ def main() -> None:
                 agg[key] = max(a[key] for a in per_rank)
         agg["per_rank"] = per_rank
         arms[name] = agg
-        print(f"{name:9s} step {agg['step_ms']:7.2f} ms  waiting {agg['wait_ms']:6.2f}  compute {agg['compute_ms']:7.2f}"
-              f"  cpu {agg['cpu_ms']:7.2f}  grad diff vs autograd {agg['grad_max_diff_vs_autograd']:.1e}"
+        print(f"{name:9s} step {agg['step_ms']:7.2f} ms  waiting {agg['wait_ms']:6.2f}"
+              f"  compute {agg['compute_ms']:7.2f}  cpu {agg['cpu_ms']:7.2f}"
+              f"  grad diff vs autograd {agg['grad_max_diff_vs_autograd']:.1e}"
               f"  vs one process {agg['grad_max_diff_vs_one_process']:.1e}")
     payload = {
         "shape": {"d": D, "heads": HEADS, "layers": LAYERS, "batch": BATCH, "seq": SEQ, "tp": 2, "dtype": "fp32"},
@@ -342,7 +343,8 @@ def main() -> None:
         "load_average_after": [round(v, 2) for v in load_after],
         "arms": arms,
     }
-    print("lone 1 MiB all-reduce ms:", payload["allreduce_1mib_ms"], "cpu ms:", payload["allreduce_1mib_cpu_ms"], " load", payload["load_average_before"],
+    print("lone 1 MiB all-reduce ms:", payload["allreduce_1mib_ms"], "cpu ms:", payload["allreduce_1mib_cpu_ms"],
+          " load", payload["load_average_before"],
           "->", payload["load_average_after"])
     write_json(args.out, payload)
 
