@@ -21,16 +21,12 @@ def _pp_group(pl_module: Any) -> Any:
     return gn.pipeline_group(getattr(pl_module, "_device_mesh", None))
 
 
-def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    return stepped_params(optimizer)
-
-
 def gradient_statistics(trainer: Any, pl_module: Any, optimizer: Any) -> torch.Tensor:
     """fp32 ``[global grad norm, element variance]`` of the unscaled gradients `optimizer` steps. Collective."""
     wrapper = unwrap_optimizer(optimizer)
     if isinstance(wrapper, MixedPrecisionOptimizer):
         return wrapper.gradient_statistics()
-    return gn.gradient_statistics(optimizer_params(optimizer), _pp_group(pl_module))
+    return gn.gradient_statistics(stepped_params(optimizer), _pp_group(pl_module))
 
 
 def params_norm_and_delta(pl_module: Any, params: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> tuple[float, float]:

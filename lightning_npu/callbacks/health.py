@@ -19,9 +19,10 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_npu.callbacks import _store
 from lightning_npu.callbacks._dist import agree_max, broadcast, find_callback
-from lightning_npu.callbacks._stats import gradient_statistics, optimizer_params, params_norm_and_delta
+from lightning_npu.callbacks._stats import gradient_statistics, params_norm_and_delta
 from lightning_npu.callbacks.dynamic_checkpoint import DynamicCheckpoint
 from lightning_npu.parallel.checkpoint.safe_load import check_plain_data, refusing_unsafe
+from lightning_npu.parallel.optim.mixed_precision import stepped_params
 from lightning_npu.validate import check_choice, check_int, check_number, check_path, is_number
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class GradientHealthGuard(Callback):
         self._losses.append(loss.detach().float())
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        params = optimizer_params(optimizer)
+        params = stepped_params(optimizer)
         if all(p.grad is None for p in params):  # no backward this step (training_step returned None)
             return
         stats = gradient_statistics(trainer, pl_module, optimizer)

@@ -235,6 +235,8 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
     """Data parallelism over ``mesh["dp"]``; returns the module Lightning keeps and the layout's gradient sync.
     `self_reduced`: names of parameters whose own FSDP2 units reduce them (ZeRO-2/3 branches): DDP skips them."""
     dp_mesh = replica_mesh(mesh)  # dp, or dp x cp under context parallelism
+    # reduced elsewhere, different on each rank: each rank's own experts (`ExpertGradientSync`), FSDP2 branches
+    own = list(expert_names or ()) + list(self_reduced or ())
     if cfg.zero_stage in (2, 3):
         param_dtype = data_parallel.fsdp_param_dtype(precision)
         if pipeline is not None:
@@ -258,9 +260,8 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
         if pipeline is None:
             # start from dp-rank 0's weights, as DDP would (each ep rank keeps its own experts, each rank of a ZeRO-2/3
             # branch its own FSDP2 shards)
-            ignore = list(expert_names or ()) + list(self_reduced or ())
-            data_parallel.broadcast_module_states(model, mesh, ignore=set(ignore))
-            model._ddp_params_and_buffers_to_ignore = list(tp_names) + ignore
+            data_parallel.broadcast_module_states(model, mesh, ignore=set(own))
+            model._ddp_params_and_buffers_to_ignore = list(tp_names) + own
         return model, gs.DistributedOptimizerSync(compressor)
     if pipeline is not None:
         if cfg.replicas == 1:
@@ -277,15 +278,15 @@ def apply_dp(model: nn.Module, pipeline: Any, mesh: DeviceMesh, cfg: ParallelCon
     if cfg.replicas == 1 and compressor is None:
         # one replica: nothing to reduce, so no DDP wrapper, which would refuse what one device allows (a fully
         # frozen model, parameters unused in forward) and tie the module to a process group (torch.save(model))
-        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ()) + list(self_reduced or ())
+        model._ddp_params_and_buffers_to_ignore = list(tp_names) + own
         return model, gs.GradientSync()
-    if expert_names or self_reduced:  # each rank's own experts (`ExpertGradientSync` reduces them), FSDP2 branches
-        model._ddp_params_and_buffers_to_ignore = list(expert_names or ()) + list(self_reduced or ())
+    if own:  # not averaged over dp by DDP
+        model._ddp_params_and_buffers_to_ignore = own
     wrapped = data_parallel.wrap_data_parallel(model, mesh, device_ids, cfg.bucket_size_mb, ddp_kwargs)
-    if tp_names or expert_names or self_reduced:
+    if tp_names or own:
         # DDP has taken every parameter (tp shards are averaged over dp too); from now on Lightning's whole-world
         # state broadcast (before validate/test) must skip the tp shards and experts, which differ between ranks
-        model._ddp_params_and_buffers_to_ignore = list(tp_names) + list(expert_names or ()) + list(self_reduced or ())
+        model._ddp_params_and_buffers_to_ignore = list(tp_names) + own
     return wrapped, gs.DDPGradientSync(wrapped, fp32=getattr(precision, "fp32_reduce", True), compressor=compressor,
                                       hierarchy=hierarchy)
 

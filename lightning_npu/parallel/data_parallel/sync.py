@@ -212,6 +212,17 @@ class _Bucket:
         """A parameter's whole gradient in the in-place buffer (what ``p.grad`` is)."""
         return self._view_of[id(s)]
 
+    @torch.no_grad()
+    def adopt(self, s: _Slice, keep_none: bool = False) -> None:
+        """``p.grad`` becomes its buffer view; a plain gradient set elsewhere (user code, autograd starting from
+        None) is copied in first. `keep_none`: a parameter without a gradient keeps None (no gradient this step)."""
+        g, view = s.param.grad, self.full_view(s)
+        if g is view or (g is None and keep_none):
+            return
+        if g is not None and not isinstance(g, DTensor) and g.shape == view.shape and g.data_ptr() != view.data_ptr():
+            view.copy_(g)
+        s.param.grad = view
+
     def grad_view(self, s: _Slice) -> torch.Tensor:
         """This rank's reduced rows of a parameter's gradient (what its master steps with)."""
         if self.flat is None:
@@ -340,11 +351,7 @@ class GradientBuckets:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, s = self.slice_of[id(param)]
         if bucket.flat is not None:
-            view = bucket.full_view(s)
-            if param.grad is not view:  # autograd started from None (e.g. `.grad` set to None by the user)
-                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                    view.copy_(param.grad)
-                param.grad = view
+            bucket.adopt(s)  # autograd started from None (e.g. `.grad` set to None by the user)
             bucket.touched = True
         if not self.enabled:
             return  # accumulating micro-step: gradients stay local, nothing is communicated
@@ -361,16 +368,8 @@ class GradientBuckets:
                     continue
                 bucket.rescale_pending()
                 for s in bucket.slices:
-                    p = s.param
-                    if not p.requires_grad:
-                        continue
-                    view = bucket.full_view(s)
-                    g = p.grad
-                    if g is view:
-                        continue
-                    if g is not None and not isinstance(g, DTensor) and g.shape == p.shape:
-                        view.copy_(g)
-                    p.grad = view
+                    if s.param.requires_grad:
+                        bucket.adopt(s)
 
     def params_ready(self, params: list[torch.Tensor]) -> None:
         """`params`' gradients are final (a pipeline stage's last backward): launch the buckets this completes."""
@@ -393,7 +392,8 @@ class GradientBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.flat is not None:  # the gradients are already in the buffer: all-to-all (or all-reduce) in place
-            self._adopt(bucket)
+            for s in bucket.slices:  # (made by autograd from None where no hook re-attached the view: pipelines)
+                bucket.adopt(s, keep_none=True)
             bucket.out = bucket.flat
             peers = bucket.launch_all_to_all() if bucket.peer_plan is not None else None
             bucket.send = None if peers is None else peers[0]  # alive until the work is done
@@ -421,19 +421,6 @@ class GradientBuckets:
             bucket.work = reduce_bucket(bucket.send, bucket.group, hierarchy=self.hierarchy,
                                         **self._compression(bucket))
         bucket.launched = True
-
-    @staticmethod
-    @torch.no_grad()
-    def _adopt(bucket: _Bucket) -> None:
-        """Before an in-place reduction: a ``.grad`` that is not the buffer's view (set by user code, or made by
-        autograd from None where no hook re-attached the view: the pipeline's buckets) is copied into it."""
-        for s in bucket.slices:
-            g, view = s.param.grad, bucket.full_view(s)
-            if g is None or g is view or isinstance(g, DTensor) or g.shape != view.shape:
-                continue
-            if g.data_ptr() != view.data_ptr():
-                view.copy_(g)
-            s.param.grad = view
 
     # ---- pipeline parallelism: a schedule's gradients into the in-place buffers -------------------------
     @torch.no_grad()

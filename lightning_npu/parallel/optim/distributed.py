@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
@@ -187,26 +187,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         expert_mesh = getattr(module_state(module, create=False), "expert_mesh", None)
         self.edp_mesh = expert_mesh["edp"] if expert_mesh is not None else None
         experts = {id(p) for p in params if self.edp_mesh is not None and _is_expert(p)}
-        if experts and self.steps_dtensors:
-            raise ValueError(
-                f"{self.closure_optimizer} with expert_parallel_size > 1 at zero_stage=1 is not supported (its "
-                "DTensor steps would mix the experts' and the other parameters' meshes); use an element-wise "
-                "optimizer such as AdamW, or zero_stage=0.")
         # FSDP2's own shards (a branch's ZeRO 2/3): stepped as they are, no bucket (`_add_self_sharded`)
         self.self_sharded = fsdp_sharded(module) & {id(p) for p in params}
-        if self.self_sharded and self.steps_dtensors:
-            raise ValueError(
-                f"{self.closure_optimizer} with a branch's own zero_stage 2/3 under the top-level zero_stage=1 is not "
-                "supported (its DTensor steps would mix the branch's and the other parameters' meshes); use an "
-                "element-wise optimizer such as AdamW, or the top-level zero_stage 0, 2 or 3.")
         # a branch's own ZeRO-1 (`branch_layouts`): buckets over its fdp ranks (`_add_branch_buckets`)
         self._branch_of = {id(p): (fdp, dp) for fdp, dp, ps in branch.zero1_groups(module) for p in ps}
         in_branches = {id(p) for p in params if id(p) in self._branch_of}
-        if in_branches and self.steps_dtensors:
-            raise ValueError(
-                f"{self.closure_optimizer} with a branch's own zero_stage=1 is not supported (its DTensor steps would "
-                "mix the branch's and the other parameters' meshes); use an element-wise optimizer such as AdamW, or "
-                "the branch's zero_stage 0, 2 or 3.")
+        if self.steps_dtensors:  # a closure optimizer steps DTensors: all of them must share one mesh
+            for ids, what, fix in ((experts, "expert_parallel_size > 1 at zero_stage=1", "zero_stage=0"),
+                                   (self.self_sharded, "a branch's own zero_stage 2/3 under the top-level zero_stage=1",
+                                    "the top-level zero_stage 0, 2 or 3"),
+                                   (in_branches, "a branch's own zero_stage=1", "the branch's zero_stage 0, 2 or 3")):
+                if ids:
+                    raise ValueError(
+                        f"{self.closure_optimizer} with {what} is not supported (its DTensor steps would mix two "
+                        f"meshes); use an element-wise optimizer such as AdamW, or {fix}.")
         # `replicate`: a top-level ZeRO 0 beside a branch's own ZeRO-1: the rest is all-reduced and stepped whole
         self.replicate = replicate
         self.grad_buckets = GradientBuckets([], self.dp_mesh, bucket_size_mb, shard=True, overlap=overlap,
@@ -787,11 +781,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
 
 def _local_part(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
-    """This rank's part of a full tensor laid out as `sharded` (an FSDP2 parameter), fp32."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(sharded.shape, sharded.device_mesh, sharded.placements)
-    out = full
-    for dim, (size, start) in enumerate(zip(shape, offset)):
-        out = out.narrow(dim, start, size)
-    return out.to(device=sharded.to_local().device, dtype=torch.float32).contiguous()
+    """This rank's part of a full tensor laid out as `sharded` (an FSDP2 parameter), fp32: every rank holds `full`,
+    so each slices its own (``src_data_rank=None``: no communication)."""
+    full = full.to(device=sharded.to_local().device, dtype=torch.float32)
+    return distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None).to_local().contiguous()
